@@ -1,0 +1,212 @@
+"""The storage contract every backend implements: batched ``exists`` / ``put`` / ``get``.
+
+Public methods validate once, here, then delegate to ``_exists`` / ``_put`` / ``_get``,
+so every backend enforces the same key alphabet and buffer rules and a contributor only
+writes the store-specific part.
+
+Semantics a backend must keep (the shipped conformance suite checks each):
+
+* ``exists`` answers per key, or raises :class:`BackendError` when it cannot ask —
+  "could not ask" must never read as "absent".
+* ``put`` never overwrites: keys are content addresses, the first writer wins, and a
+  put of a present key reports success without touching the stored value.
+* ``get`` fills caller-provided buffers; a stored value whose size differs from the
+  buffer's is a failure and leaves the buffer untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, ClassVar
+
+from kvconn.errors import InvalidKeyError
+
+# Buffers accepted as values: anything exporting the buffer protocol.
+Buffer = Any
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Optional features; the connector and the conformance suite read these flags."""
+
+    buffer_registration: bool = False  # register_buffer() enables zero-copy transfers
+    delete: bool = False
+    listing: bool = False
+    device_pointers: bool = False  # can move bytes from/to GPU memory directly
+
+
+def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:
+    """A flat, contiguous byte view of ``value`` without copying it."""
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise TypeError(
+            f"{what} must support the buffer protocol, got {type(value).__name__}"
+        ) from None
+    if not view.contiguous:
+        raise ValueError(f"{what} must be a contiguous buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte, for backends that move raw memory."""
+    if view.readonly:
+        raise ValueError("a read-only buffer has no address usable for writes")
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def tensor_bytes(tensor: Any) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no numpy needed)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"only CPU tensors have a host byte view, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("the tensor must be contiguous")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array_type = ctypes.c_ubyte * nbytes
+    return memoryview(array_type.from_address(tensor.data_ptr())).cast("B")
+
+
+class Backend(ABC):
+    """A key-value store of raw byte pages."""
+
+    #: Short name the backend registers under (entry-point group ``kvconn.backends``).
+    name: ClassVar[str] = ""
+    #: The ``kvconn[extra]`` that installs the client library, for error messages.
+    extra: ClassVar[str | None] = None
+    #: Modules that must import for the backend to work; checked lazily.
+    client_modules: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Longest key in bytes. Our keys are ~150 bytes; 250 fits every store we target.
+    max_key_length: ClassVar[int] = 250
+
+    # ------------------------------------------------------------------ public API
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        keys = self._check_keys(keys)
+        if not keys:
+            return []
+        return self._checked_result(self._exists(keys), len(keys), "exists")
+
+    def put(self, keys: Sequence[str], values: Sequence[Buffer]) -> list[bool]:
+        keys = self._check_keys(keys)
+        if len(values) != len(keys):
+            raise ValueError(f"put: {len(keys)} keys but {len(values)} values")
+        views = [as_bytes_view(v, f"value for {k!r}") for k, v in zip(keys, values)]
+        for key, view in zip(keys, views):
+            if view.nbytes == 0:
+                raise ValueError(f"put: the value for {key!r} is empty; pages are never empty")
+        if not keys:
+            return []
+        return self._checked_result(self._put(keys, views), len(keys), "put")
+
+    def get(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[bool]:
+        keys = self._check_keys(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"get: {len(keys)} keys but {len(buffers)} buffers")
+        views = [as_bytes_view(b, f"buffer for {k!r}") for k, b in zip(keys, buffers)]
+        for key, view in zip(keys, views):
+            if view.readonly:
+                raise ValueError(f"get: the buffer for {key!r} is read-only")
+        if not keys:
+            return []
+        return self._checked_result(self._get(keys, views), len(keys), "get")
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove keys; per key, whether it was present. Only with ``capabilities.delete``."""
+        if not self.capabilities.delete:
+            raise NotImplementedError(f"the {self.name!r} backend cannot delete")
+        keys = self._check_keys(keys)
+        return self._checked_result(self._delete(keys), len(keys), "delete") if keys else []
+
+    def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Yield ``(key, value size)`` of stored keys starting with ``prefix``."""
+        if not self.capabilities.listing:
+            raise NotImplementedError(f"the {self.name!r} backend cannot list keys")
+        return self._list(prefix)
+
+    def register_buffer(self, buffer: memoryview) -> None:
+        """Announce a long-lived buffer that later puts/gets will use (zero-copy stores)."""
+
+    def unregister_buffer(self, buffer: memoryview) -> None:
+        """Undo :meth:`register_buffer` before the buffer's memory is freed."""
+
+    def close(self) -> None:
+        """Release connections and handles; the backend is unusable afterwards."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @classmethod
+    def client_problem(cls) -> str | None:
+        """Why the client library cannot be used, or ``None`` when it imports."""
+        for module in cls.client_modules:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # an ImportError, or a broken native library
+                hint = f" (pip install 'kvconn[{cls.extra}]')" if cls.extra else ""
+                return f"cannot import {module}: {exc}{hint}"
+        return None
+
+    # ------------------------------------------------------- implementer's hooks
+    @abstractmethod
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        """Note for implementers: raise BackendError (never return False) on failure."""
+
+    @abstractmethod
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        """Note for implementers: set-if-absent, atomically; duplicates in a batch are fine."""
+
+    @abstractmethod
+    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+        """Note for implementers: check the stored size before copying into a buffer."""
+
+    def _delete(self, keys: list[str]) -> Sequence[bool]:
+        raise NotImplementedError
+
+    def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checks
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, (str, bytes)):
+            raise InvalidKeyError("keys must be a sequence of str, not a single string")
+        out = list(keys)
+        for key in out:
+            check_key(key, self.max_key_length)
+        return out
+
+    def _checked_result(self, result: Sequence[bool], n: int, op: str) -> list[bool]:
+        out = [bool(x) for x in result]
+        if len(out) != n:
+            raise AssertionError(f"{self.name} backend {op} answered {len(out)} of {n} keys")
+        return out
+
+
+def check_key(key: object, max_length: int = 250) -> None:
+    """Keys are printable ASCII without spaces: every store accepts that alphabet."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"a key must be str, got {type(key).__name__}: {key!r}")
+    if not key:
+        raise InvalidKeyError("a key must not be empty")
+    if len(key) > max_length:
+        raise InvalidKeyError(
+            f"key of {len(key)} characters exceeds the limit of {max_length}: {key[:40]!r}…"
+        )
+    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise InvalidKeyError(f"key {key!r} must be printable ASCII without spaces")

@@ -1,0 +1,379 @@
+"""The per-rank connector: lookup, save and load over any backend.
+
+It applies DESIGN.md's rules in one place:
+
+* lookup asks one batched ``exists`` for every page any rank will load, so the whole TP
+  group gets one answer (rule 3);
+* save writes only the pages this rank is the designated writer of, after skipping
+  those already stored (rule 4);
+* load fills this rank's pool slots with its own shard's pages and the replicated ones,
+  and reports the first block that failed and every later one (rule 5);
+* backend errors become misses and dropped saves, counted and logged, never exceptions
+  into the serving loop (rule 6).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from kvconn.backend import Backend
+from kvconn.config import ConnectorConfig
+from kvconn.errors import BackendError, ConfigError, LayoutError
+from kvconn.hashing import DIGEST_SIZE
+from kvconn.keys import key_prefix
+from kvconn.layout import KvLayout, shard_position
+from kvconn.movement import PageMover, flat_bytes
+from kvconn.plan import (
+    PagePlan,
+    RankShare,
+    count_prefix_hit,
+    lookup_keys,
+    plan_pages,
+    rank_shares,
+    share_key,
+    writer_replica,
+)
+from kvconn.registry import load_backend
+from kvconn.staging import Staging
+from kvconn.stats import ConnectorStats
+
+log = logging.getLogger("kvconn")
+
+T = TypeVar("T")
+Slots = Sequence[int] | torch.Tensor | Mapping[int, Sequence[int] | torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The group-wide prefix hit: the same on every rank that asks at the same time."""
+
+    blocks: int
+    tokens: int
+    available: bool = True  # False: the backend could not answer; the hit reads as 0
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    written: int = 0  # pages this rank stored
+    skipped: int = 0  # pages it owned but found already stored
+    dropped: int = 0  # pages it owned but could not store (backend down or put refused)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """``loaded`` leading blocks are in the pool; ``failed`` must be recomputed.
+
+    Slots of failed blocks are left untouched by this load.
+    """
+
+    loaded: int
+    failed: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class _Skipped(Exception):
+    """The backend is in its back-off window: treat as unavailable without asking."""
+
+
+class Connector:
+    """One rank's view of the store. Safe to use from one thread at a time."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig | Mapping[str, Any],
+        layout: KvLayout,
+        *,
+        rank: int = 0,
+        pools: Sequence[torch.Tensor] | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        if not isinstance(config, ConnectorConfig):
+            config = ConnectorConfig.from_dict(config)
+        shard_position(rank, layout.tp_size, 1)  # validates rank against tp_size
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.plans: tuple[PagePlan, ...] = plan_pages(layout)
+        self.shares: tuple[RankShare, ...] = rank_shares(layout, self.plans, rank)
+        self.prefix = key_prefix(config.namespace, config.model)
+        self.stats = ConnectorStats()
+        self.backend = (
+            backend if backend is not None else load_backend(config.backend, config.options)
+        )
+        self._down_until = 0.0
+        self._down = False
+        self._movers: list[PageMover] | None = None
+        self.pools: list[torch.Tensor] = []
+        self._device = torch.device("cpu")
+        if pools is not None:
+            self.register_pools(pools)
+        self._staging = Staging(self.backend, pin=self._device.type == "cuda")
+
+    # ------------------------------------------------------------------ setup
+    def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
+        """Attach this rank's KV pool tensors (the layout's ``pool`` indices)."""
+        if len(pools) != len(self.layout.pool_sizes):
+            raise LayoutError(
+                f"the layout declares {len(self.layout.pool_sizes)} pools, got {len(pools)} tensors"
+            )
+        flats = []
+        for i, (pool, size) in enumerate(zip(pools, self.layout.pool_sizes)):
+            nbytes = pool.numel() * pool.element_size()
+            if nbytes < size:
+                raise LayoutError(f"pool {i} has {nbytes} bytes, the layout declares {size}")
+            if pool.device != pools[0].device:
+                raise LayoutError(f"pool {i} is on {pool.device}, pool 0 on {pools[0].device}")
+            try:
+                flats.append(flat_bytes(pool))
+            except ValueError as exc:
+                raise LayoutError(f"pool {i}: {exc}") from None
+        self._device = pools[0].device
+        self.pools = list(pools)
+        self._movers = [
+            PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
+            for share in self.shares
+        ]
+        if hasattr(self, "_staging"):
+            self._staging.release()
+            self._staging = Staging(self.backend, pin=self._device.type == "cuda")
+
+    def close(self) -> None:
+        self._staging.release()
+        self.backend.close()
+
+    def __enter__(self) -> Connector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
+        """The longest prefix of blocks whose every page, for every rank, is stored."""
+        hashes = _check_hashes(block_hashes)
+        self.stats.lookups += 1
+        if not hashes:
+            return LookupResult(0, 0)
+        per_block = lookup_keys(self.prefix, self.plans, hashes)
+        flat = [k for keys in per_block for k in keys]
+        try:
+            present = self._call("exists", lambda: self.backend.exists(flat))
+        except _Skipped:
+            self.stats.lookup_errors += 1
+            return LookupResult(0, 0, available=False)
+        it = iter(present)
+        blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
+        return LookupResult(blocks, blocks * self.layout.tokens_per_block)
+
+    # ------------------------------------------------------------------ save
+    def save(self, block_hashes: Sequence[bytes], slots: Slots) -> SaveResult:
+        """Store the pages of these blocks that this rank is the designated writer of."""
+        hashes = _check_hashes(block_hashes)
+        slot_map = self._slot_map(slots, len(hashes))
+        movers = self._require_pools()
+        owned: list[tuple[int, list[int], list[str]]] = []  # (share index, blocks, keys)
+        for s, share in enumerate(self.shares):
+            blocks = [
+                i
+                for i, h in enumerate(hashes)
+                if writer_replica(h, share.dup, self.config.writer_policy) == share.replica_index
+            ]
+            owned.append((s, blocks, [share_key(self.prefix, share, hashes[i]) for i in blocks]))
+        all_keys = [k for _, _, keys in owned for k in keys]
+        if not all_keys:
+            return SaveResult()
+        try:
+            present = self._call("exists", lambda: self.backend.exists(all_keys))
+        except _Skipped:
+            for s, blocks, _ in owned:
+                self.stats.add("dropped", self.shares[s].plan, len(blocks))
+            return SaveResult(dropped=len(all_keys))
+        written = skipped = dropped = 0
+        pos = 0
+        for s, blocks, keys in owned:
+            plan = self.shares[s].plan
+            flags = present[pos : pos + len(keys)]
+            pos += len(keys)
+            todo = [(b, k) for b, k, there in zip(blocks, keys, flags) if not there]
+            todo = list(dict(((k, (b, k)) for b, k in todo)).values())  # a block twice: once
+            skipped_here = len(keys) - len(todo)
+            self.stats.add("skipped", plan, skipped_here)
+            skipped += skipped_here
+            chunk = self._chunk_blocks(plan.page_size)
+            for start in range(0, len(todo), chunk):
+                part = todo[start : start + chunk]
+                ok = self._put_pages(s, movers[s], slot_map, part)
+                self.stats.add("written", plan, ok)
+                self.stats.add("dropped", plan, len(part) - ok)
+                written += ok
+                dropped += len(part) - ok
+        return SaveResult(written, skipped, dropped)
+
+    def _put_pages(
+        self,
+        s: int,
+        mover: PageMover,
+        slot_map: Mapping[int, torch.Tensor],
+        part: Sequence[tuple[int, str]],
+    ) -> int:
+        plan = self.shares[s].plan
+        n, size = len(part), plan.page_size
+        staging, view = self._staging.take(n * size)
+        pages = staging[: n * size].view(n, size)
+        index = slot_map[plan.group][torch.tensor([b for b, _ in part], dtype=torch.long)]
+        mover.gather(index.to(self._device), pages)
+        self._sync()
+        values = [view[i * size : (i + 1) * size] for i in range(n)]
+        keys = [k for _, k in part]
+        try:
+            return sum(self._call("put", lambda: self.backend.put(keys, values)))
+        except _Skipped:
+            return 0
+
+    # ------------------------------------------------------------------ load
+    def load(self, block_hashes: Sequence[bytes], slots: Slots) -> LoadResult:
+        """Load this rank's pages of a hit prefix into its slots.
+
+        A block is loaded only if every one of its pages arrived whole; the first block
+        that did not, and every block after it, are returned as failed and their slots
+        are not written, so the engine recomputes exactly those.
+        """
+        hashes = _check_hashes(block_hashes)
+        slot_map = self._slot_map(slots, len(hashes))
+        movers = self._require_pools()
+        per_block = sum(sh.plan.page_size for sh in self.shares)
+        chunk = self._chunk_blocks(per_block)
+        loaded = 0
+        for start in range(0, len(hashes), chunk):
+            stop = min(start + chunk, len(hashes))
+            good = self._load_chunk(hashes, start, stop, slot_map, movers)
+            loaded += good
+            if start + good < stop:
+                break
+        failed = tuple(range(loaded, len(hashes)))
+        if failed:
+            for share in self.shares:
+                self.stats.add("failed", share.plan, len(failed))
+        return LoadResult(loaded, failed)
+
+    def _load_chunk(
+        self,
+        hashes: Sequence[bytes],
+        start: int,
+        stop: int,
+        slot_map: Mapping[int, torch.Tensor],
+        movers: Sequence[PageMover],
+    ) -> int:
+        n = stop - start
+        total = n * sum(sh.plan.page_size for sh in self.shares)
+        staging, view = self._staging.take(total)
+        keys: list[str] = []
+        buffers: list[memoryview] = []
+        offsets: list[int] = []
+        offset = 0
+        for share in self.shares:
+            size = share.plan.page_size
+            offsets.append(offset)
+            for i in range(n):
+                keys.append(share_key(self.prefix, share, hashes[start + i]))
+                buffers.append(view[offset + i * size : offset + (i + 1) * size])
+            offset += n * size
+        try:
+            ok = self._call("get", lambda: self.backend.get(keys, buffers))
+        except _Skipped:
+            return 0
+        good = n
+        for s in range(len(self.shares)):
+            flags = ok[s * n : (s + 1) * n]
+            good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+        if good == 0:
+            return 0
+        for s, share in enumerate(self.shares):
+            size = share.plan.page_size
+            pages = staging[offsets[s] : offsets[s] + good * size].view(good, size)
+            index = slot_map[share.plan.group][start : start + good]
+            movers[s].scatter(index.to(self._device), pages)
+            self.stats.add("loaded", share.plan, good)
+        self._sync()
+        return good
+
+    # ------------------------------------------------------------------ helpers
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        """Run a backend call; on failure log, count, back off and raise ``_Skipped``."""
+        now = time.monotonic()
+        if now < self._down_until:
+            raise _Skipped
+        try:
+            result = fn()
+        except Exception as exc:
+            self.stats.backend_errors += 1
+            self._down_until = now + self.config.retry_interval_s
+            if not self._down:
+                log.warning(
+                    "kvconn: backend %r failed in %s (%s); serving without the cache, "
+                    "retrying after %.1fs",
+                    self.config.backend,
+                    op,
+                    exc,
+                    self.config.retry_interval_s,
+                    exc_info=not isinstance(exc, (OSError, BackendError)),
+                )
+            self._down = True
+            raise _Skipped from exc
+        if self._down:
+            log.info("kvconn: backend %r answers again", self.config.backend)
+            self._down = False
+        return result
+
+    def _chunk_blocks(self, bytes_per_block: int) -> int:
+        return max(1, self.config.staging_bytes // max(1, bytes_per_block))
+
+    def _require_pools(self) -> list[PageMover]:
+        if self._movers is None:
+            raise ConfigError("this connector has no KV pools: pass pools= or call register_pools")
+        return self._movers
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def _slot_map(self, slots: Slots, n: int) -> dict[int, torch.Tensor]:
+        groups = [g.index for g in self.layout.groups]
+        if isinstance(slots, Mapping):
+            missing = sorted(set(groups) - set(slots))
+            if missing:
+                raise ValueError(f"slots are missing for layer group(s) {missing}")
+            raw = {g: slots[g] for g in groups}
+        else:
+            raw = {g: slots for g in groups}
+        out: dict[int, torch.Tensor] = {}
+        for g, seq in raw.items():
+            t = torch.as_tensor(seq, dtype=torch.long).reshape(-1).cpu()
+            if t.numel() != n:
+                raise ValueError(f"layer group {g}: {t.numel()} slots for {n} blocks")
+            num_slots = self.layout.group(g).num_slots
+            if n and (int(t.min()) < 0 or int(t.max()) >= num_slots):
+                raise ValueError(
+                    f"layer group {g}: slot out of range [0, {num_slots}): {t.tolist()[:8]}"
+                )
+            out[g] = t
+        return out
+
+
+def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:
+    hashes = list(block_hashes)
+    for h in hashes:
+        if not isinstance(h, (bytes, bytearray)) or len(h) != DIGEST_SIZE:
+            raise ValueError(
+                f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r}"
+            )
+    return [bytes(h) for h in hashes]

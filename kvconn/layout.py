@@ -1,0 +1,324 @@
+"""Descriptions of a rank's KV-cache pool: roles, regions, layer groups.
+
+Everything here is a frozen dataclass validated at construction, so a layout that
+cannot be stored correctly is refused when the engine registers its caches, not
+discovered later as silently wrong bytes in someone else's request.
+
+The layout is *symmetric*: every rank of the TP group has the same regions (the same
+geometry; its own bytes). That is what lets any single process plan the keys of every
+rank's pages, which the group-wide hit rule needs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconn.errors import LayoutError
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ShardPosition:
+    """Where one rank's slice of a role sits among the TP group's copies."""
+
+    num_shards: int
+    dup: int
+    shard_index: int
+    replica_index: int
+
+
+def shard_position(rank: int, tp_size: int, units: int) -> ShardPosition:
+    """Shard position per DESIGN.md: consecutive ranks hold the same shard.
+
+    GQA engines duplicate a KV head on consecutive ranks (rank // dup), so the same rule
+    keeps our shard numbering equal to the engine's head placement.
+    """
+    if tp_size < 1:
+        raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
+    if not 0 <= rank < tp_size:
+        raise LayoutError(f"rank {rank} is outside the TP group of size {tp_size}")
+    if units < 1:
+        raise LayoutError(f"units must be >= 1, got {units}")
+    if units % tp_size != 0 and tp_size % units != 0:
+        raise LayoutError(f"units={units} neither divides nor is divisible by tp_size={tp_size}")
+    num_shards = min(tp_size, units)
+    dup = tp_size // num_shards
+    return ShardPosition(num_shards, dup, rank // dup, rank % dup)
+
+
+@dataclass(frozen=True)
+class Role:
+    """A kind of per-token bytes in a layer (``k``, ``v``, ``index_k``, ``latent`` …).
+
+    ``units`` is how many distinct slices of the role exist across the whole TP group:
+    global KV heads for K/V, 1 for bytes every rank holds identically. ``dtype`` names
+    the bytes' meaning (``bf16``, ``fp8_e4m3+scale``…); it goes into every key so that
+    a reader that would interpret the bytes differently misses instead.
+    """
+
+    name: str
+    units: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise LayoutError(f"role name {self.name!r} must be lower-case letters, digits and '_'")
+        if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 1:
+            raise LayoutError(f"role {self.name!r}: units must be an int >= 1, got {self.units!r}")
+        if not self.dtype or any(c.isspace() or c in "/|" for c in self.dtype):
+            raise LayoutError(
+                f"role {self.name!r}: dtype {self.dtype!r} must be non-empty, "
+                "without spaces, '/' or '|'"
+            )
+
+    @property
+    def replicated(self) -> bool:
+        return self.units == 1
+
+
+def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{where}: {what} must be an int, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise LayoutError(f"{where}: {what} must be {bound}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Region:
+    """A strided byte range of a pool: slot ``i`` is ``base + i*stride`` for ``size`` bytes.
+
+    ``base`` is a byte offset from the start of pool number ``pool``, not an absolute
+    address, so descriptions survive re-allocation and can be compared across ranks.
+    """
+
+    role: str
+    layer: int
+    base: int
+    size: int
+    stride: int
+    num_slots: int
+    pool: int = 0
+
+    def __post_init__(self) -> None:
+        where = self.label
+        _positive_int(self.layer, "layer", where, allow_zero=True)
+        _positive_int(self.base, "base", where, allow_zero=True)
+        _positive_int(self.size, "size", where)
+        _positive_int(self.num_slots, "num_slots", where)
+        _positive_int(self.pool, "pool", where, allow_zero=True)
+        _positive_int(self.stride, "stride", where, allow_zero=self.num_slots == 1)
+        if self.num_slots > 1 and self.stride < self.size:
+            raise LayoutError(
+                f"{where}: stride {self.stride} is smaller than size {self.size}, "
+                "so consecutive slots of the region overlap"
+            )
+
+    @property
+    def label(self) -> str:
+        return f"region {self.role}@layer{self.layer}"
+
+    @property
+    def end(self) -> int:
+        """One past the last byte any slot of the region touches."""
+        return self.base + (self.num_slots - 1) * self.stride + self.size
+
+    @classmethod
+    def from_tensor(
+        cls, role: str, layer: int, view: torch.Tensor, pool: torch.Tensor, pool_index: int = 0
+    ) -> Region:
+        """Describe ``view`` (slots along dim 0) as a region of ``pool``.
+
+        Each slot's bytes must be contiguous; that is what makes a page a plain byte
+        concatenation that any backend can store.
+        """
+        where = f"region {role}@layer{layer}"
+        if view.dim() < 1:
+            raise LayoutError(f"{where}: the tensor needs a slot dimension (dim 0)")
+        if view.device != pool.device:
+            raise LayoutError(f"{where}: tensor is on {view.device}, its pool on {pool.device}")
+        if view.shape[0] > 0 and not view[0].is_contiguous():
+            raise LayoutError(f"{where}: the bytes of one slot are not contiguous")
+        elsize = view.element_size()
+        offset = view.data_ptr() - pool.data_ptr()
+        pool_bytes = pool.numel() * pool.element_size()
+        if offset < 0 or offset >= pool_bytes:
+            raise LayoutError(f"{where}: the tensor does not lie inside pool {pool_index}")
+        size = (view[0].numel() if view.shape[0] > 0 else 0) * elsize
+        return cls(
+            role=role,
+            layer=layer,
+            base=offset,
+            size=size,
+            stride=view.stride(0) * elsize,
+            num_slots=view.shape[0],
+            pool=pool_index,
+        )
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that share one block table, hence one slot numbering for all their regions.
+
+    The order of ``regions`` is the declared page order: a page is the concatenation of
+    the rank's regions of one shard class in exactly this order.
+    """
+
+    index: int
+    num_slots: int
+    regions: tuple[Region, ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", tuple(self.regions))
+        _positive_int(self.index, "index", "layer group", allow_zero=True)
+        where = self.label
+        _positive_int(self.num_slots, "num_slots", where)
+        if not self.regions:
+            raise LayoutError(f"{where}: has no regions")
+        seen: set[tuple[int, str]] = set()
+        for region in self.regions:
+            if not isinstance(region, Region):
+                raise LayoutError(f"{where}: {region!r} is not a Region")
+            if region.num_slots != self.num_slots:
+                raise LayoutError(
+                    f"{where}, {region.label}: has its own slot count {region.num_slots}; "
+                    f"every region of the group has the group's {self.num_slots} slots"
+                )
+            ident = (region.layer, region.role)
+            if ident in seen:
+                raise LayoutError(f"{where}: {region.label} is declared twice")
+            seen.add(ident)
+
+    @property
+    def label(self) -> str:
+        return f"layer group {self.index}" + (f" ({self.name})" if self.name else "")
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The whole KV-cache geometry of one rank, identical in shape on every rank."""
+
+    tp_size: int
+    tokens_per_block: int
+    roles: tuple[Role, ...]
+    groups: tuple[LayerGroup, ...]
+    pool_sizes: tuple[int, ...]
+    _roles_by_name: dict[str, Role] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "roles", tuple(self.roles))
+        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "pool_sizes", tuple(self.pool_sizes))
+        _positive_int(self.tp_size, "tp_size", "layout")
+        _positive_int(self.tokens_per_block, "tokens_per_block", "layout")
+        by_name: dict[str, Role] = {}
+        for role in self.roles:
+            if role.name in by_name:
+                raise LayoutError(f"layout: role {role.name!r} is declared twice")
+            by_name[role.name] = role
+            shard_position(0, self.tp_size, role.units)  # raises on inconsistent units
+        object.__setattr__(self, "_roles_by_name", by_name)
+        if not self.groups:
+            raise LayoutError("layout: has no layer groups")
+        for i, size in enumerate(self.pool_sizes):
+            _positive_int(size, f"pool_sizes[{i}]", "layout")
+        indices = [g.index for g in self.groups]
+        if len(set(indices)) != len(indices):
+            raise LayoutError(f"layout: layer group indices repeat: {indices}")
+        for group in self.groups:
+            for region in group.regions:
+                if region.role not in by_name:
+                    known = ", ".join(sorted(by_name)) or "none"
+                    raise LayoutError(
+                        f"{group.label}, {region.label}: unknown role {region.role!r} "
+                        f"(declared roles: {known})"
+                    )
+                if region.pool >= len(self.pool_sizes):
+                    raise LayoutError(
+                        f"{group.label}, {region.label}: pool {region.pool} does not exist "
+                        f"(the layout declares {len(self.pool_sizes)} pools)"
+                    )
+                if region.end > self.pool_sizes[region.pool]:
+                    raise LayoutError(
+                        f"{group.label}, {region.label}: slots out of bounds: its last slot "
+                        f"ends at byte {region.end} of pool {region.pool}, which has "
+                        f"{self.pool_sizes[region.pool]} bytes"
+                    )
+        _check_no_overlap(self.groups)
+
+    def role(self, name: str) -> Role:
+        return self._roles_by_name[name]
+
+    def group(self, index: int) -> LayerGroup:
+        for g in self.groups:
+            if g.index == index:
+                return g
+        raise KeyError(index)
+
+
+def _strided_overlap(a: Region, b: Region) -> bool:
+    """Whether any slot of ``a`` shares a byte with any slot of ``b`` (same pool)."""
+    if a.end <= b.base or b.end <= a.base:
+        return False
+    if a.stride == b.stride and a.stride > 0:
+        # Slot i of a vs slot j of b: they overlap iff -b.size < (b.base - a.base) + k*s
+        # < a.size with k = j - i. Both sizes are <= s, so only k near the crossing can.
+        s = a.stride
+        delta = b.base - a.base
+        k0 = (-delta) // s
+        span = max(a.num_slots, b.num_slots) - 1
+        for k in range(k0 - 1, k0 + 3):
+            if -span <= k <= span:
+                d = delta + k * s
+                # slot pairs exist with j - i = k only within both slot ranges
+                if max(0, -k) <= min(a.num_slots - 1, b.num_slots - 1 - k) and (
+                    -b.size < d < a.size
+                ):
+                    return True
+        return False
+    return _interval_overlap(a, b)
+
+
+def _interval_overlap(a: Region, b: Region) -> bool:
+    starts = torch.cat(
+        [
+            a.base + torch.arange(a.num_slots, dtype=torch.int64) * a.stride,
+            b.base + torch.arange(b.num_slots, dtype=torch.int64) * b.stride,
+        ]
+    )
+    ends = torch.cat([starts[: a.num_slots] + a.size, starts[a.num_slots :] + b.size])
+    order = torch.argsort(starts)
+    return bool((starts[order][1:] < ends[order][:-1]).any())
+
+
+def _check_no_overlap(groups: Iterable[LayerGroup]) -> None:
+    placed: list[tuple[LayerGroup, Region]] = [(g, r) for g in groups for r in g.regions]
+    by_pool: dict[int, list[tuple[LayerGroup, Region]]] = {}
+    for item in placed:
+        by_pool.setdefault(item[1].pool, []).append(item)
+    for items in by_pool.values():
+        items.sort(key=lambda gr: gr[1].base)
+        for (ga, a), (gb, b) in _candidate_pairs(items):
+            if _strided_overlap(a, b):
+                raise LayoutError(
+                    f"{ga.label}, {a.label} overlaps {gb.label}, {b.label} in pool {a.pool}"
+                )
+
+
+def _candidate_pairs(
+    items: Sequence[tuple[LayerGroup, Region]],
+) -> Iterable[tuple[tuple[LayerGroup, Region], tuple[LayerGroup, Region]]]:
+    """Pairs whose byte spans intersect; items are sorted by base."""
+    for i, first in enumerate(items):
+        end = first[1].end
+        for second in items[i + 1 :]:
+            if second[1].base >= end:
+                break
+            yield first, second

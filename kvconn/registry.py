@@ -1,0 +1,114 @@
+"""Finding backends by name through the ``kvconn.backends`` entry-point group.
+
+The core never imports a backend module directly: a deployment installs the backend
+it wants (``kvconn[redis]``, a third-party package …) and names it in configuration.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from kvconn.backend import Backend
+from kvconn.errors import BackendDependencyMissing, BackendNotFound, ConfigError
+
+GROUP = "kvconn.backends"
+
+
+def _entry_points() -> dict[str, EntryPoint]:
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def installed_backends() -> list[str]:
+    """Names of installed backends, without importing any of them."""
+    return sorted(_entry_points())
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    distribution: str
+    target: str
+    problem: str | None  # None when the backend and its client import
+
+
+def describe_backends() -> list[BackendInfo]:
+    """What ``kvconn backends`` prints: name, providing distribution, usability."""
+    infos = []
+    for name, ep in sorted(_entry_points().items()):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            cls = ep.load()
+            problem = (
+                cls.client_problem()
+                if isinstance(cls, type) and issubclass(cls, Backend)
+                else (f"{ep.value} is not a kvconn Backend subclass")
+            )
+        except Exception as exc:
+            problem = f"cannot import {ep.value}: {exc}"
+        infos.append(BackendInfo(name, dist, ep.value, problem))
+    return infos
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class registered under ``name``; errors name the alternatives or the extra."""
+    from stevedore import driver, exception
+
+    def _raise(_manager: Any, _ep: Any, exc: BaseException) -> None:
+        raise exc
+
+    try:
+        manager = driver.DriverManager(
+            GROUP,
+            name,
+            invoke_on_load=False,
+            on_load_failure_callback=_raise,
+        )
+    except exception.NoMatches:
+        raise BackendNotFound(name, installed_backends()) from None
+    except BackendDependencyMissing:
+        raise
+    except ImportError as exc:
+        raise BackendDependencyMissing(name, exc.name or str(exc), name) from exc
+    cls = manager.driver
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise ConfigError(f"backend {name!r} resolves to {cls!r}, not a kvconn Backend subclass")
+    return cls
+
+
+def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend:
+    """Instantiate backend ``name`` with ``options`` as keyword arguments.
+
+    Options are checked against the constructor's signature first, so a typo fails with
+    the list of accepted options instead of a bare ``TypeError``.
+    """
+    cls = backend_class(name)
+    options = dict(options or {})
+    problem = cls.client_problem()
+    if problem is not None:
+        raise BackendDependencyMissing(name, cls.client_modules[0], cls.extra or name)
+    signature = inspect.signature(cls.__init__)
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = [
+        p
+        for p, v in params.items()
+        if p != "self"
+        and v.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown and not takes_any:
+        raise ConfigError(
+            f"backend {name!r}: unknown option(s) {', '.join(unknown)}; "
+            f"accepted: {', '.join(accepted) or 'none'}"
+        )
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ConfigError(f"backend {name!r}: bad options: {exc}") from exc

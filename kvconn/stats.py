@@ -1,0 +1,77 @@
+"""Counters of what a connector moved, by shard class, by role and in total.
+
+These are the numbers an operator needs to see the replicated-bytes saving in
+production, and the ones the tests read to prove who wrote what.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from kvconn.plan import PagePlan
+
+#: written: stored by this rank; skipped: already stored by someone; loaded; failed: a
+#: load that did not complete; dropped: a save given up (backend down or put refused).
+EVENTS = ("written", "skipped", "loaded", "failed", "dropped")
+
+
+@dataclass
+class Count:
+    pages: int = 0
+    bytes: int = 0
+
+
+class ConnectorStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total: dict[str, Count] = defaultdict(Count)
+        self.by_class: dict[tuple[str, str], Count] = defaultdict(Count)
+        self.by_role: dict[tuple[str, str], Count] = defaultdict(Count)
+        self.backend_errors = 0
+        self.lookups = 0
+        self.lookup_errors = 0
+
+    def add(self, event: str, plan: PagePlan, pages: int) -> None:
+        if pages <= 0:
+            return
+        assert event in EVENTS, event
+        with self._lock:
+            self.total[event].pages += pages
+            self.total[event].bytes += pages * plan.page_size
+            cls = self.by_class[(event, plan.shard_class.label)]
+            cls.pages += pages
+            cls.bytes += pages * plan.page_size
+            for role, nbytes in plan.role_bytes:
+                r = self.by_role[(event, role)]
+                r.pages += pages
+                r.bytes += pages * nbytes
+
+    def pages(self, event: str) -> int:
+        return self.total[event].pages if event in self.total else 0
+
+    def bytes(self, event: str) -> int:
+        return self.total[event].bytes if event in self.total else 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-ready copy: ``{"total": {event: {pages, bytes}}, "by_class": …}``."""
+        with self._lock:
+
+            def nest(table: dict[tuple[str, str], Count]) -> dict[str, dict[str, dict[str, int]]]:
+                out: dict[str, dict[str, dict[str, int]]] = {}
+                for (event, name), c in sorted(table.items()):
+                    out.setdefault(event, {})[name] = {"pages": c.pages, "bytes": c.bytes}
+                return out
+
+            return {
+                "total": {
+                    e: {"pages": c.pages, "bytes": c.bytes} for e, c in sorted(self.total.items())
+                },
+                "by_class": nest(self.by_class),
+                "by_role": nest(self.by_role),
+                "backend_errors": self.backend_errors,
+                "lookups": self.lookups,
+                "lookup_errors": self.lookup_errors,
+            }

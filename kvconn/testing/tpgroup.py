@@ -1,0 +1,152 @@
+"""A real TP group in processes: N ranks over one store, verifying every loaded byte.
+
+Shipped in the package so that every backend — ours and third-party ones — proves the
+group-level rules (ranks agree on hits; loads return exactly what the writer saved) on
+its real store, not only the per-call contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.hashing import block_hashes
+from kvconn.layout import KvLayout, shard_position
+
+
+def expected_bytes(block_hash: bytes, layer: int, role: str, shard: int, size: int) -> torch.Tensor:
+    """What "recomputing" a region of a block gives: a function of content and shard only."""
+    seed = hashlib.blake2b(block_hash + f"/{layer}/{role}/{shard}".encode(), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(seed, "little") & ((1 << 63) - 1))
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+
+
+def compute_block(
+    layout: KvLayout, rank: int, pools: Sequence[torch.Tensor], block_hash: bytes, slot: int
+) -> None:
+    for group in layout.groups:
+        for region in group.regions:
+            shard = shard_position(rank, layout.tp_size, layout.role(region.role).units).shard_index
+            start = region.base + slot * region.stride
+            pools[region.pool][start : start + region.size] = expected_bytes(
+                block_hash, region.layer, region.role, shard, region.size
+            )
+
+
+def verify_block(
+    layout: KvLayout, rank: int, pools: Sequence[torch.Tensor], block_hash: bytes, slot: int
+) -> int:
+    """Number of regions whose bytes differ from recomputation (0 when all match)."""
+    bad = 0
+    for group in layout.groups:
+        for region in group.regions:
+            shard = shard_position(rank, layout.tp_size, layout.role(region.role).units).shard_index
+            start = region.base + slot * region.stride
+            got = pools[region.pool][start : start + region.size]
+            want = expected_bytes(block_hash, region.layer, region.role, shard, region.size)
+            bad += int(not torch.equal(got, want))
+    return bad
+
+
+@dataclass
+class RankReport:
+    rank: int
+    hits: list[int] = field(default_factory=list)
+    loaded: list[int] = field(default_factory=list)
+    mismatched_regions: int = 0
+    verified_blocks: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _rank_main(
+    rank: int,
+    layout_factory: Callable[[], KvLayout],
+    config: dict[str, Any],
+    requests: list[list[int]],
+    barrier: Any,
+    queue: Any,
+) -> None:
+    report = RankReport(rank)
+    try:
+        layout = layout_factory()
+        pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
+        conn = Connector(ConnectorConfig.from_dict(config), layout, rank=rank, pools=pools)
+        num_slots = layout.groups[0].num_slots
+        for tokens in requests:
+            hashes = block_hashes(tokens, layout.tokens_per_block)[:num_slots]
+            slots = list(range(len(hashes)))
+            barrier.wait()  # nobody writes while the group looks up
+            hit = conn.lookup(hashes).blocks
+            report.hits.append(hit)
+            barrier.wait()
+            result = conn.load(hashes[:hit], slots[:hit])
+            report.loaded.append(result.loaded)
+            for i in range(result.loaded):
+                report.mismatched_regions += verify_block(layout, rank, pools, hashes[i], slots[i])
+                report.verified_blocks += 1
+            for i in range(result.loaded, len(hashes)):
+                compute_block(layout, rank, pools, hashes[i], slots[i])
+            conn.save(hashes, slots)
+            barrier.wait()  # every rank's pages are stored before the next lookup
+        report.stats = conn.stats.snapshot()
+        conn.close()
+    except BaseException as exc:
+        report.error = f"{type(exc).__name__}: {exc}"
+        barrier.abort()
+    queue.put(report)
+
+
+def overlapping_requests(count: int, tokens_per_block: int, seed: int = 0) -> list[list[int]]:
+    """Requests that share system prompts and extend earlier turns, so prefixes repeat."""
+    g = torch.Generator().manual_seed(seed)
+    systems = [
+        torch.randint(0, 50_000, (tokens_per_block * 3,), generator=g).tolist() for _ in range(2)
+    ]
+    requests: list[list[int]] = []
+    history: list[list[int]] = []
+    for i in range(count):
+        # every third request is the next turn of the previous conversation
+        base = history[-1] if history and i % 3 == 2 else systems[i % 2]
+        turn = torch.randint(0, 50_000, (tokens_per_block * (1 + i % 3) + 5,), generator=g).tolist()
+        tokens = base + turn
+        history.append(tokens)
+        requests.append(tokens)
+    return requests
+
+
+def run_tp_group(
+    layout_factory: Callable[[], KvLayout],
+    config: dict[str, Any],
+    requests: list[list[int]],
+    *,
+    timeout_s: float = 240,
+) -> list[RankReport]:
+    """Run every rank as a process over ``requests``; reports ordered by rank."""
+    tp = layout_factory().tp_size
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(tp, timeout=timeout_s)
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, layout_factory, config, requests, barrier, queue))
+        for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    reports = []
+    try:
+        for _ in procs:
+            reports.append(queue.get(timeout=timeout_s))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return sorted(reports, key=lambda r: r.rank)

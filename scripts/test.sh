@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine, installing what it needs first:
+# system packages (redis-server, libibverbs1 for Mooncake) when missing, the CPU build
+# of PyTorch, and kvconn with its dev, redis and mooncake extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then missing+=(libibverbs1); fi
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing system packages: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+PY="${PYTHON:-python3}"
+# The CPU build of torch: a plain 'pip install torch' would pull a multi-GB CUDA build.
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0 \
+        || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+"$PY" -m pip install -q -e '.[dev,redis,mooncake]'
+
+"$PY" -m ruff check .
+"$PY" -m mypy
+"$PY" -m pytest "$@"

@@ -1,0 +1,325 @@
+"""The connector's rules over an in-memory store (core logic only; backends have their own)."""
+
+import logging
+
+import pytest
+import torch
+
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.errors import ConfigError
+from kvconn.hashing import ReuseScope, block_hashes
+from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.models import RoleSpec, interleaved_layout, minimax_m3
+from kvconn.plan import WriterPolicy, share_key
+from tests.fakes import DictBackend
+from tests.helpers import slot_bytes, tp_group
+
+N = 6
+HASHES = block_hashes(list(range(32 * N)), 32)
+SLOTS = [5, 1, 9, 3, 7, 11]
+
+
+@pytest.fixture
+def store():
+    return DictBackend()
+
+
+def save_all(group, hashes=HASHES, slots=SLOTS):
+    return [c.save(hashes, slots) for c in group]
+
+
+def test_only_the_designated_writer_writes_the_replicated_page(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    replicated = [c.stats.by_class[("written", "replicated")].pages for c in group]
+    assert sum(replicated) == N  # one writer per block, no copies
+    replicated_keys = [k for k in store.data if "/replicated/" in k]
+    assert len(replicated_keys) == N
+    for conn in group:
+        share = conn.shares[-1]
+        expected = sum(1 for h in HASHES if int.from_bytes(h[:8], "little") % 8 == conn.rank)
+        assert share.plan.shard_class.replicated
+        assert conn.stats.by_class[("written", "replicated")].pages == expected
+
+
+def test_every_rank_writes_its_own_shard_page_of_every_block(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    for rank in range(8):
+        assert sum(f"/w8r{rank}/" in k for k in store.data) == N
+
+
+def test_a_prefix_hit_needs_the_replicated_page(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    assert group[0].lookup(HASHES).blocks == N
+    evicted = next(k for k in store.data if "/replicated/" in k and k.endswith(HASHES[2].hex()))
+    del store.data[evicted]
+    assert {c.lookup(HASHES).blocks for c in group} == {2}  # every rank reads the miss
+
+
+def test_a_prefix_hit_needs_every_shards_page(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    del store.data[next(k for k in store.data if "/w8r5/" in k and k.endswith(HASHES[1].hex()))]
+    assert [c.lookup(HASHES).blocks for c in group] == [1] * 8
+    assert group[0].lookup(HASHES).tokens == 32
+
+
+def test_lookup_is_one_batched_exists_call_for_the_whole_group(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    store.calls.clear()
+    group[3].lookup(HASHES)
+    assert store.calls == [("exists", N * (8 + 1))]
+
+
+def test_loaded_pages_restore_every_ranks_bytes_into_other_slots(store):
+    layout = minimax_m3(tp_size=8)
+    writers = tp_group(layout, store)
+    save_all(writers)
+    readers = tp_group(layout, store, fill=False)
+    target = [20, 21, 22, 40, 41, 63]
+    for w, r in zip(writers, readers):
+        result = r.load(HASHES, target)
+        assert result.loaded == N and result.ok
+        for src, dst in zip(SLOTS, target):
+            assert slot_bytes(layout, r.pools, dst) == slot_bytes(layout, w.pools, src)
+
+
+def test_a_failed_page_fails_its_block_and_every_later_block(store):
+    layout = minimax_m3(tp_size=8)
+    writers = tp_group(layout, store)
+    save_all(writers)
+    readers = tp_group(layout, store, fill=False)
+    assert readers[0].lookup(HASHES).blocks == N
+    del store.data[
+        next(k for k in store.data if "/replicated/" in k and k.endswith(HASHES[3].hex()))
+    ]
+    result = readers[6].load(HASHES, SLOTS)
+    assert result.loaded == 3 and result.failed == (3, 4, 5)
+    for slot in SLOTS[3:]:  # the slots of failed blocks were not written at all
+        assert set(slot_bytes(layout, readers[6].pools, slot)) == {0}
+    for slot, src in zip(SLOTS[:3], SLOTS[:3]):
+        assert slot_bytes(layout, readers[6].pools, slot) == slot_bytes(
+            layout, writers[6].pools, src
+        )
+    assert readers[6].stats.pages("failed") == 3 * 2
+
+
+def test_a_stored_page_of_the_wrong_size_is_a_failed_load(store):
+    layout = minimax_m3(tp_size=8)
+    writers = tp_group(layout, store)
+    save_all(writers)
+    key = next(k for k in store.data if "/w8r0/" in k and k.endswith(HASHES[0].hex()))
+    store.data[key] = store.data[key][:-1]
+    reader = tp_group(layout, store, fill=False)[0]
+    assert reader.load(HASHES, SLOTS).failed == tuple(range(N))
+
+
+def test_an_unreachable_backend_gives_misses_and_dropped_saves_not_exceptions(store, caplog):
+    layout = minimax_m3(tp_size=8)
+    group = tp_group(layout, store)
+    save_all(group[:1])
+    store.down = True
+    with caplog.at_level(logging.WARNING, logger="kvconn"):
+        hit = group[0].lookup(HASHES)
+        saved = group[1].save(HASHES, SLOTS)
+        loaded = group[0].load(HASHES, SLOTS)
+    assert (hit.blocks, hit.available) == (0, False)
+    assert saved.written == 0 and saved.dropped > 0
+    assert group[1].stats.pages("dropped") == saved.dropped
+    assert loaded.loaded == 0 and loaded.failed == tuple(range(N))
+    assert "serving without the cache" in caplog.text
+    store.down = False  # the same connectors recover without being rebuilt
+    save_all(group)
+    assert group[0].lookup(HASHES).blocks == N
+
+
+def test_after_a_backend_error_calls_back_off_instead_of_waiting_on_a_dead_server(store):
+    layout = minimax_m3(tp_size=8)
+    config = ConnectorConfig(model="m", backend="dict", retry_interval_s=60)
+    conn = Connector(config, layout, rank=0, backend=store)
+    store.down = True
+    assert conn.lookup(HASHES).blocks == 0
+    store.calls.clear()
+    store.down = False
+    assert conn.lookup(HASHES).available is False  # still in the back-off window
+    assert store.calls == []
+
+
+def test_saving_again_skips_pages_already_stored_without_putting(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    save_all(group)
+    store.calls.clear()
+    result = group[2].save(HASHES, SLOTS)
+    assert result.written == 0 and result.skipped > 0
+    assert store.ops("put") == 0 and store.ops("exists") == 1
+
+
+def test_spread_writers_balance_bytes_written_across_ranks(store):
+    layout = minimax_m3(tp_size=8, layers=1, num_slots=64)
+    group = tp_group(layout, store, fill=False)
+    hashes = block_hashes(list(range(32 * 1200)), 32)
+    for start in range(0, len(hashes), 60):
+        part = hashes[start : start + 60]
+        for c in group:
+            c.save(part, list(range(len(part))))
+    written = [c.stats.bytes("written") for c in group]
+    assert max(written) / (sum(written) / 8) <= 1.05
+
+
+def test_first_policy_writes_every_replicated_page_from_rank_zero(store):
+    layout = minimax_m3(tp_size=8, layers=1)
+    group = tp_group(layout, store, policy="first", fill=False)
+    save_all(group)
+    written = [c.stats.bytes("written") for c in group]
+    assert written[0] == N * 32 * 768 and all(w == N * 32 * 512 for w in written[1:])
+    assert max(written) / (sum(written) / 8) == pytest.approx(768 / 544)
+
+
+def test_with_4_kv_heads_at_tp8_bytes_stored_halve(store):
+    layout = interleaved_layout(
+        (RoleSpec("k", 256, 4, "bf16"), RoleSpec("v", 256, 4, "bf16")),
+        tp_size=8,
+        layers=2,
+        num_slots=16,
+    )
+    group = tp_group(layout, store)
+    save_all(group)
+    stored = sum(len(v) for v in store.data.values())
+    per_rank_keying = 8 * N * 2 * 2 * 256 * 32
+    assert stored * 2 == per_rank_keying
+    assert sorted({k.split("/")[2] for k in store.data}) == ["w4r0", "w4r1", "w4r2", "w4r3"]
+    # each pair of ranks shares its pages: one writer each
+    assert sum(c.stats.pages("written") for c in group) == 4 * N
+
+
+def test_minimax_m3_stores_29_2_percent_fewer_bytes_than_per_rank_keying(store):
+    group = tp_group(minimax_m3(tp_size=8, layers=2), store)
+    save_all(group)
+    stored = sum(len(v) for v in store.data.values())
+    naive = 8 * N * 2 * 768 * 32
+    assert 1 - stored / naive == pytest.approx(1 - (8 * 512 + 256) / (8 * 768))
+
+
+def test_different_salts_never_share_blocks(store):
+    group = tp_group(minimax_m3(tp_size=8), store)
+    tokens = list(range(32 * N))
+    a = block_hashes(tokens, 32, ReuseScope(cache_salt="a"))
+    save_all(group, a)
+    assert group[0].lookup(a).blocks == N
+    assert group[0].lookup(block_hashes(tokens, 32, ReuseScope(cache_salt="b"))).blocks == 0
+
+
+def test_a_reader_with_another_layout_misses_instead_of_reading_wrong_bytes(store):
+    save_all(tp_group(minimax_m3(tp_size=8, layers=4), store))
+    other = Connector(
+        ConnectorConfig(model="test-model", backend="dict"),
+        minimax_m3(tp_size=8, layers=3),
+        backend=store,
+    )
+    assert other.lookup(HASHES).blocks == 0
+    other_model = Connector(
+        ConnectorConfig(model="other", backend="dict"),
+        minimax_m3(tp_size=8, layers=4),
+        backend=store,
+    )
+    assert other_model.lookup(HASHES).blocks == 0
+
+
+def test_small_staging_moves_large_requests_in_chunks(store):
+    layout = minimax_m3(tp_size=2, layers=2)
+    config = ConnectorConfig(
+        model="m", backend="dict", staging_bytes=40_000, writer_policy=WriterPolicy.FIRST
+    )
+    pools = [torch.randint(0, 256, (layout.pool_sizes[0],), dtype=torch.uint8)]
+    writer = Connector(config, layout, rank=0, pools=pools, backend=store)
+    assert writer.save(HASHES, SLOTS).written == 2 * N
+    assert store.ops("put") > 2
+    reader = Connector(config, layout, rank=0, pools=[torch.zeros_like(pools[0])], backend=store)
+    assert reader.load(HASHES, SLOTS).loaded == N
+    for s in SLOTS:
+        assert slot_bytes(layout, reader.pools, s) == slot_bytes(layout, writer.pools, s)
+
+
+def test_layer_groups_have_their_own_block_tables(store):
+    roles = (Role("k", 2, "bf16"), Role("index_k", 1, "bf16"))
+    layout = KvLayout(
+        2,
+        32,
+        roles,
+        (
+            LayerGroup(0, 8, (Region("k", 0, 0, 64, 128, 8), Region("index_k", 0, 64, 64, 128, 8))),
+            LayerGroup(1, 4, (Region("k", 1, 1024, 64, 64, 4),)),
+        ),
+        (1280,),
+    )
+    pools = [torch.randint(0, 256, (1280,), dtype=torch.uint8)]
+    conn = Connector(
+        ConnectorConfig(model="m", backend="dict"), layout, rank=0, pools=pools, backend=store
+    )
+    slots = {0: [7, 2], 1: [3, 0]}
+    hashes = HASHES[:2]
+    conn.save(hashes, slots)
+    conn.save(hashes, slots)
+    peer = Connector(
+        ConnectorConfig(model="m", backend="dict"),
+        layout,
+        rank=1,
+        pools=[torch.zeros(1280, dtype=torch.uint8)],
+        backend=store,
+    )
+    peer.save(hashes, slots)
+    assert conn.lookup(hashes).blocks == 2
+    fresh = Connector(
+        ConnectorConfig(model="m", backend="dict"),
+        layout,
+        rank=0,
+        pools=[torch.zeros(1280, dtype=torch.uint8)],
+        backend=store,
+    )
+    assert fresh.load(hashes, {0: [0, 1], 1: [1, 2]}).loaded == 2
+    assert torch.equal(fresh.pools[0][1024 + 64 : 1024 + 128], pools[0][1024 + 192 : 1024 + 256])
+    with pytest.raises(ValueError, match=r"missing for layer group\(s\) \[1\]"):
+        conn.save(hashes, {0: [0, 1]})
+
+
+def test_bad_requests_fail_with_clear_errors_and_store_nothing(store):
+    layout = minimax_m3(tp_size=8)
+    conn = tp_group(layout, store)[0]
+    with pytest.raises(ValueError, match="6 slots for 2 blocks"):
+        conn.save(HASHES[:2], SLOTS)
+    with pytest.raises(ValueError, match="slot out of range"):
+        conn.save(HASHES[:1], [64])
+    with pytest.raises(ValueError, match="16-byte digests"):
+        conn.lookup([b"short"])
+    assert store.data == {}
+    no_pools = Connector(ConnectorConfig(model="m", backend="dict"), layout, backend=store)
+    with pytest.raises(ConfigError, match="no KV pools"):
+        no_pools.load(HASHES, SLOTS)
+
+
+def test_pools_must_match_the_layout(store):
+    layout = minimax_m3(tp_size=8)
+    config = ConnectorConfig(model="m", backend="dict")
+    with pytest.raises(ConfigError, match="declares 1 pools, got 2"):
+        Connector(config, layout, pools=[torch.zeros(8), torch.zeros(8)], backend=store)
+    with pytest.raises(ConfigError, match="has 8 bytes"):
+        Connector(config, layout, pools=[torch.zeros(8, dtype=torch.uint8)], backend=store)
+
+
+def test_counters_split_by_role_and_class(store):
+    group = tp_group(minimax_m3(tp_size=8, layers=2), store, policy="first")
+    save_all(group)
+    snap = group[0].stats.snapshot()
+    assert snap["by_role"]["written"]["index_k"]["bytes"] == N * 2 * 256 * 32
+    assert snap["by_role"]["written"]["k"]["bytes"] == N * 2 * 256 * 32
+    assert snap["by_class"]["written"]["replicated"]["pages"] == N
+    assert snap["total"]["written"]["pages"] == 2 * N
+
+
+def test_share_keys_match_the_lookup_keys(store):
+    conn = tp_group(minimax_m3(tp_size=8), store)[4]
+    assert share_key(conn.prefix, conn.shares[0], HASHES[0]).split("/")[2] == "w8r4"

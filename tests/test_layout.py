@@ -1,0 +1,129 @@
+from typing import Any
+
+import pytest
+import torch
+
+from kvconn.errors import LayoutError
+from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
+
+
+def layout(regions, *, roles=None, tp=8, pool=10_000, slots=4):
+    roles = roles or (Role("k", 8, "bf16"), Role("v", 8, "bf16"), Role("index_k", 1, "bf16"))
+    return KvLayout(tp, 32, roles, (LayerGroup(0, slots, tuple(regions)),), (pool,))
+
+
+@pytest.mark.parametrize(
+    ("rank", "tp", "units", "expected"),
+    [
+        (5, 8, 8, (8, 1, 5, 0)),
+        (5, 8, 4, (4, 2, 2, 1)),  # GQA: 4 KV heads at TP=8, pairs of ranks
+        (5, 8, 1, (1, 8, 0, 5)),  # replicated
+        (1, 2, 8, (2, 1, 1, 0)),  # more units than ranks
+        (0, 1, 8, (1, 1, 0, 0)),
+    ],
+)
+def test_shard_position_follows_the_design_formula(rank, tp, units, expected):
+    pos = shard_position(rank, tp, units)
+    assert (pos.num_shards, pos.dup, pos.shard_index, pos.replica_index) == expected
+
+
+def test_units_inconsistent_with_tp_are_a_configuration_error():
+    with pytest.raises(LayoutError, match="units=3 neither divides nor is divisible by tp_size=8"):
+        shard_position(0, 8, 3)
+    with pytest.raises(LayoutError, match="units=6"):
+        KvLayout(
+            8, 32, (Role("k", 6, "bf16"),), (LayerGroup(0, 1, (Region("k", 0, 0, 8, 8, 1),)),), (8,)
+        )
+
+
+def test_overlapping_regions_are_rejected_naming_both():
+    regions = [Region("k", 0, 0, 100, 300, 4), Region("v", 0, 50, 100, 300, 4)]
+    with pytest.raises(
+        LayoutError, match=r"region k@layer0 overlaps layer group 0, region v@layer0"
+    ):
+        layout(regions)
+
+
+def test_interleaved_regions_that_do_not_touch_are_accepted():
+    regions = [
+        Region("k", 0, 0, 100, 300, 4),
+        Region("v", 0, 100, 100, 300, 4),
+        Region("index_k", 0, 200, 100, 300, 4),
+    ]
+    assert len(layout(regions).groups[0].regions) == 3
+
+
+def test_overlap_between_later_slots_of_differently_strided_regions_is_found():
+    # slot 3 of k (900..1000) meets slot 1 of v (950..1000): only later slots collide
+    regions = [Region("k", 0, 0, 100, 300, 4), Region("v", 0, 450, 50, 500, 4)]
+    with pytest.raises(LayoutError, match="overlaps"):
+        layout(regions, pool=20_000)
+
+
+def test_slots_out_of_bounds_are_rejected_with_the_group_and_region():
+    with pytest.raises(LayoutError, match=r"layer group 0, region k@layer0: slots out of bounds"):
+        layout([Region("k", 0, 0, 100, 300, 4)], pool=999)
+
+
+def test_a_region_with_its_own_slot_count_is_rejected():
+    with pytest.raises(LayoutError, match="has its own slot count 3"):
+        layout([Region("k", 0, 0, 100, 300, 4), Region("v", 0, 100, 100, 300, 3)])
+
+
+@pytest.mark.parametrize("field", ["size", "stride", "num_slots"])
+def test_zero_or_negative_sizes_are_rejected(field):
+    kwargs: dict[str, Any] = {
+        "role": "k",
+        "layer": 0,
+        "base": 0,
+        "size": 8,
+        "stride": 8,
+        "num_slots": 2,
+    }
+    for bad in (0, -8):
+        kwargs[field] = bad
+        with pytest.raises(LayoutError, match=field):
+            Region(**kwargs)
+
+
+def test_a_stride_smaller_than_the_size_is_rejected():
+    with pytest.raises(LayoutError, match="consecutive slots of the region overlap"):
+        Region("k", 0, 0, 100, 50, 4)
+
+
+def test_an_unknown_role_is_rejected_listing_the_declared_ones():
+    with pytest.raises(LayoutError, match=r"unknown role 'q' \(declared roles: index_k, k, v\)"):
+        layout([Region("q", 0, 0, 100, 300, 4)])
+
+
+def test_a_region_declared_twice_is_rejected():
+    with pytest.raises(LayoutError, match="declared twice"):
+        layout([Region("k", 0, 0, 100, 300, 4), Region("k", 0, 100, 100, 300, 4)])
+
+
+def test_a_region_in_an_undeclared_pool_is_rejected():
+    with pytest.raises(LayoutError, match="pool 1 does not exist"):
+        layout([Region("k", 0, 0, 100, 300, 4, pool=1)])
+
+
+def test_regions_are_described_from_torch_tensors():
+    pool = torch.zeros(4, 3, 16, dtype=torch.bfloat16)  # slots x roles x elements
+    k = Region.from_tensor("k", 0, pool[:, 0], pool)
+    idx = Region.from_tensor("index_k", 0, pool[:, 2], pool)
+    assert (k.base, k.size, k.stride, k.num_slots) == (0, 32, 96, 4)
+    assert (idx.base, idx.size, idx.stride) == (64, 32, 96)
+
+
+def test_a_tensor_whose_slot_bytes_are_not_contiguous_is_rejected():
+    pool = torch.zeros(4, 16, 8, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="not contiguous"):
+        Region.from_tensor("k", 0, pool[:, :, 0], pool)
+
+
+def test_roles_need_valid_names_units_and_dtypes():
+    with pytest.raises(LayoutError, match="role name"):
+        Role("K/V", 8, "bf16")
+    with pytest.raises(LayoutError, match="units must be an int >= 1"):
+        Role("k", 0, "bf16")
+    with pytest.raises(LayoutError, match="dtype"):
+        Role("k", 8, "")

@@ -1,0 +1,97 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconn.layout import Region
+from kvconn.movement import PageMover, compile_runs
+
+
+def reference_gather(regions, pool, slots):
+    return torch.stack(
+        [
+            torch.cat(
+                [pool[r.base + s * r.stride : r.base + s * r.stride + r.size] for r in regions]
+            )
+            for s in slots
+        ]
+    )
+
+
+@st.composite
+def interleaved(draw):
+    num_slots = draw(st.integers(1, 6))
+    sizes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    gaps = draw(st.lists(st.integers(0, 5), min_size=len(sizes), max_size=len(sizes)))
+    offsets, pos = [], draw(st.integers(0, 7))
+    for size, gap in zip(sizes, gaps):
+        offsets.append(pos)
+        pos += size + gap
+    stride = pos + draw(st.integers(0, 9))
+    regions = [
+        Region("k", i, off, size, stride, num_slots)
+        for i, (off, size) in enumerate(zip(offsets, sizes))
+    ]
+    order = draw(st.permutations(range(len(regions))))
+    picked = draw(
+        st.lists(st.integers(0, num_slots - 1), min_size=1, max_size=num_slots, unique=True)
+    )
+    return [regions[i] for i in order], stride * num_slots + 16, picked
+
+
+@settings(max_examples=150, deadline=None)
+@given(interleaved())
+def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case):
+    regions, pool_size, slots = case
+    pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
+    mover = PageMover(regions, [pool], regions[0].num_slots)
+    index = torch.tensor(slots)
+    out = torch.empty(len(slots), mover.page_size, dtype=torch.uint8)
+    mover.gather(index, out)
+    assert torch.equal(out, reference_gather(regions, pool, slots))
+    target = torch.zeros_like(pool)
+    PageMover(regions, [target], regions[0].num_slots).scatter(index, out)
+    touched = torch.zeros(pool_size, dtype=torch.bool)
+    for r in regions:
+        for s in slots:
+            touched[r.base + s * r.stride : r.base + s * r.stride + r.size] = True
+    assert torch.equal(target[touched], pool[touched])
+    assert int(target[~touched].count_nonzero()) == 0  # nothing outside the pages is written
+
+
+def test_adjacent_regions_and_layer_repeats_compile_to_one_run():
+    stride = 3 * 64 * 4
+    regions = []
+    for layer in range(4):
+        regions.append(Region("k", layer, layer * 192, 64, stride, 8))
+        regions.append(Region("v", layer, layer * 192 + 64, 64, stride, 8))
+    runs = compile_runs(regions)
+    assert len(runs) == 1 and (runs[0].count, runs[0].size, runs[0].step) == (4, 128, 192)
+
+
+def test_gather_works_into_a_non_contiguous_destination():
+    regions = [Region("k", 0, 0, 16, 48, 4), Region("v", 0, 32, 8, 48, 4)]
+    pool = torch.randint(0, 256, (192,), dtype=torch.uint8)
+    mover = PageMover(regions, [pool], 4)
+    wide = torch.zeros(2, 40, dtype=torch.uint8)
+    mover.gather(torch.tensor([3, 1]), wide[:, 4:28])
+    assert torch.equal(wide[:, 4:28], reference_gather(regions, pool, [3, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_pools_of_any_dtype_move_as_bytes(dtype):
+    pool = torch.randn(4, 3, 8).to(dtype)
+    regions = [
+        Region.from_tensor("k", 0, pool[:, 0], pool),
+        Region.from_tensor("v", 0, pool[:, 2], pool),
+    ]
+    from kvconn.movement import flat_bytes
+
+    flat = flat_bytes(pool)
+    mover = PageMover(regions, [flat], 4)
+    out = torch.empty(2, mover.page_size, dtype=torch.uint8)
+    mover.gather(torch.tensor([2, 0]), out)
+    back = torch.zeros_like(pool)
+    PageMover(regions, [flat_bytes(back)], 4).scatter(torch.tensor([2, 0]), out)
+    assert torch.equal(back[[2, 0]][:, [0, 2]], pool[[2, 0]][:, [0, 2]])
+    assert int(back[:, 1].float().count_nonzero()) == 0
