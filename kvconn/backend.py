@@ -208,5 +208,6 @@ def check_key(key: object, max_length: int = 250) -> None:
         raise InvalidKeyError(
             f"key of {len(key)} characters exceeds the limit of {max_length}: {key[:40]!r}…"
         )
-    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+    # Printable ASCII has exactly one whitespace character: the space.
+    if not key.isascii() or not key.isprintable() or " " in key:
         raise InvalidKeyError(f"key {key!r} must be printable ASCII without spaces")
