@@ -555,7 +555,12 @@ class RedisCluster:
         return None
 
     def start(self) -> RedisCluster:
-        """Start every node, join them and return once every node serves all slots."""
+        """Start every node, join them and return once every node serves all slots.
+
+        Idempotent, like :meth:`RedisServer.start`: a formed cluster is left as it is.
+        """
+        if all(node.running for node in self.nodes) and not self._readiness_problem():
+            return self
         try:
             for node in self.nodes:
                 node.start()
