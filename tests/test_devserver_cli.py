@@ -22,6 +22,7 @@ def start_dev_server(*args):
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
     if not line:
         proc.kill()
