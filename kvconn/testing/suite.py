@@ -235,6 +235,54 @@ class BackendTests:
         finally:
             backend.unregister_buffer(view)
 
+    # ------------------------------------------------------------ model-based
+    def test_random_operation_sequences_agree_with_a_first_writer_wins_dict(
+        self, backend: Backend
+    ) -> None:
+        """Hypothesis drives random batches against the store and a plain dict model."""
+        from hypothesis import settings
+        from hypothesis import strategies as st
+        from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+
+        names = st.lists(st.integers(0, 7), min_size=1, max_size=6)
+        sizes = st.sampled_from([1, 3, 100, 5000])
+
+        class Model(RuleBasedStateMachine):
+            def __init__(self) -> None:
+                super().__init__()
+                self.prefix = f"model/{uuid.uuid4().hex}"
+                self.model: dict[str, bytes] = {}
+
+            def key(self, i: int) -> str:
+                return f"{self.prefix}/{i}"
+
+            @rule(ids=names, size=sizes, seed=st.integers(0, 255))
+            def put(self, ids: list[int], size: int, seed: int) -> None:
+                keys = [self.key(i) for i in ids]
+                values = [_value(seed + n, size) for n in range(len(ids))]
+                assert backend.put(keys, values) == [True] * len(keys)
+                for k, v in zip(keys, values):
+                    self.model.setdefault(k, v)
+
+            @rule(ids=names)
+            def exists(self, ids: list[int]) -> None:
+                keys = [self.key(i) for i in ids]
+                assert backend.exists(keys) == [k in self.model for k in keys]
+
+            @rule(ids=names, size=sizes)
+            def get(self, ids: list[int], size: int) -> None:
+                keys = [self.key(i) for i in ids]
+                bufs = [bytearray(b"\x5a" * size) for _ in keys]
+                got = backend.get(keys, bufs)
+                for k, ok, buf in zip(keys, got, bufs):
+                    stored = self.model.get(k)
+                    assert ok == (stored is not None and len(stored) == size)
+                    assert bytes(buf) == (stored if ok else b"\x5a" * size)
+
+        run_state_machine_as_test(  # type: ignore[no-untyped-call]
+            Model, settings=settings(max_examples=25, stateful_step_count=15, deadline=None)
+        )
+
     # ------------------------------------------------------------ concurrency
     def test_concurrent_writers_in_several_processes_agree_on_one_value(
         self, backend: Backend, backend_options: dict[str, Any], prefix: str
