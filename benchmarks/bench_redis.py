@@ -167,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         version = server.command("INFO", "server")
 
     server_version = next(
-        (line.split(":", 1)[1] for line in _text(version).splitlines()
-         if line.startswith("redis_version:")),
+        (
+            line.split(":", 1)[1]
+            for line in _text(version).splitlines()
+            if line.startswith("redis_version:")
+        ),
         "?",
     )
     print(

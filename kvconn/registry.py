@@ -76,6 +76,8 @@ def backend_class(name: str) -> type[Backend]:
         raise
     except ImportError as exc:
         raise BackendDependencyMissing(name, exc.name or str(exc), name) from exc
+    except Exception as exc:  # a broken plugin: say which, never a bare traceback
+        raise ConfigError(f"backend {name!r} cannot be loaded from its entry point: {exc}") from exc
     cls = manager.driver
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise ConfigError(f"backend {name!r} resolves to {cls!r}, not a kvconn Backend subclass")

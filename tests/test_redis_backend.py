@@ -150,16 +150,43 @@ def test_a_ttl_makes_stored_pages_expire(redis_server: RedisServer) -> None:
 
 def _make_certificates(directory: Path) -> dict[str, str]:
     """A throwaway CA and a server certificate for 127.0.0.1 (openssl CLI, EC keys)."""
+
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-        "-subj", "/CN=kvconn test CA")
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kvconn test CA",
+    )
     run("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
     (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "san.ext")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    )
     return {name: str(directory / name) for name in ("ca.crt", "server.crt", "server.key")}
 
 
@@ -172,11 +199,16 @@ def test_a_rediss_url_talks_tls_and_rejects_an_untrusted_certificate(tmp_path: P
     tls_port = free_port()
     server = RedisServer(
         extra_args=[
-            "--tls-port", str(tls_port),
-            "--tls-cert-file", files["server.crt"],
-            "--tls-key-file", files["server.key"],
-            "--tls-ca-cert-file", files["ca.crt"],
-            "--tls-auth-clients", "no",
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            files["server.crt"],
+            "--tls-key-file",
+            files["server.key"],
+            "--tls-ca-cert-file",
+            files["ca.crt"],
+            "--tls-auth-clients",
+            "no",
         ]
     )
     try:
@@ -298,8 +330,10 @@ _UNUSED = "redis://127.0.0.1:1/0"
         ({"url": "redis+cluster://127.0.0.1:1", "db": 2}, "option 'db' must be 0 in cluster"),
         ({"url": _UNUSED, "tls_verify": "no"}, "option 'tls_verify'"),
         ({"url": _UNUSED, "tls_verify": False}, "option 'tls_verify' only applies to TLS"),
-        ({"url": "rediss://127.0.0.1:1", "tls_ca_file": "/nonexistent/ca.crt"},
-         "option 'tls_ca_file'"),
+        (
+            {"url": "rediss://127.0.0.1:1", "tls_ca_file": "/nonexistent/ca.crt"},
+            "option 'tls_ca_file'",
+        ),
         ({"url": _UNUSED, "no_such_option": 1}, "unknown option.*no_such_option"),
     ],
 )
@@ -518,6 +552,7 @@ def test_runs_of_exists_replies_decode_around_errors_and_split_reads() -> None:
     with ours, theirs:
         conn = RespConnection(ours, "socketpair", use_sendmsg=True)
         data = b"".join(replies)
+
         def deliver() -> None:
             # Odd-sized pieces, so runs break mid-reply at buffer refills.
             for i in range(0, len(data), 777):

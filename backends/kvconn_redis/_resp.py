@@ -654,8 +654,12 @@ class RespClient:
             )
             if isinstance(reply, ErrorReply):
                 raise error_for(reply, "list", self.where)
-            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], bytes)
-                    and isinstance(reply[1], list)):
+            if not (
+                isinstance(reply, list)
+                and len(reply) == 2
+                and isinstance(reply[0], bytes)
+                and isinstance(reply[1], list)
+            ):
                 raise BackendError(f"redis at {self.where}: SCAN answered {reply!r}")
             cursor = reply[0]
             found = [k for k in reply[1] if isinstance(k, bytes) and k not in seen]

@@ -1,0 +1,228 @@
+"""The simulation's figures: footprint, savings against two baselines, balance, timing.
+
+Two baselines, both computed from the pages this run actually wrote, so they compare
+schemes on the same traffic rather than on a formula:
+
+* ``bytes_naive`` -- per-rank keying of everything (``w<tp>r<rank>`` for every page):
+  every rank holding a copy of a slice would have stored its own copy, so each written
+  byte of a role counts ``dup`` times (``tp`` for a replicated role).
+* ``bytes_rank0_scheme`` -- the reference connector (TensorRT-LLM's Mooncake store
+  connector): main KV roles (K, V, an MLA latent) keyed per rank, only roles it declares
+  replicated on the side (``reference_once``, e.g. index-K) stored once by rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvconn.layout import KvLayout
+
+if TYPE_CHECKING:
+    from kvconn.simulate.runner import SimSettings
+
+TIME_PARTS = ("store", "movement", "planning", "compute", "verify")
+
+
+def _event(stats: Mapping[str, Any], event: str, table: str = "total") -> Any:
+    return stats.get(table, {}).get(event, {})
+
+
+def build_report(
+    *,
+    settings: SimSettings,
+    layout: KvLayout,
+    location: str,
+    coordinator: Mapping[str, Any],
+    ranks: Sequence[Mapping[str, Any]],
+    wall_s: float,
+    startup_s: float,
+    replay_s: float,
+    num_slots: int,
+) -> dict[str, Any]:
+    tp = settings.tp_size
+    preset = settings.preset
+    ranks = sorted(ranks, key=lambda r: int(r["rank"]))
+    roles = [r.name for r in preset.roles]
+    bytes_by_rank = [int(_event(r["stats"], "written").get("bytes", 0)) for r in ranks]
+    pages_by_rank = [int(_event(r["stats"], "written").get("pages", 0)) for r in ranks]
+    role_bytes = {
+        role: [
+            int(_event(r["stats"], "written", "by_role").get(role, {}).get("bytes", 0))
+            for r in ranks
+        ]
+        for role in roles
+    }
+    role_pages = {
+        role: [
+            int(_event(r["stats"], "written", "by_role").get(role, {}).get("pages", 0))
+            for r in ranks
+        ]
+        for role in roles
+    }
+    stored = sum(bytes_by_rank)
+    naive = 0
+    rank0_scheme = 0
+    for role in roles:
+        spec = preset.role(role)
+        written = sum(role_bytes[role])
+        naive += written * spec.dup(tp)
+        rank0_scheme += written * (1 if spec.reference_once else spec.dup(tp))
+    mean = stored / tp if tp else 0.0
+    times = {part: sum(float(r["time"][part]) for r in ranks) for part in TIME_PARTS}
+    cpu = {part: sum(float(r["cpu"][part]) for r in ranks) for part in TIME_PARTS}
+    for part in ("store", "planning"):
+        times[part] += float(coordinator["time"][part])
+        cpu[part] += float(coordinator["cpu"][part])
+    requests = int(coordinator["requests"])
+    prompt_tokens = int(coordinator["prompt_tokens"])
+    examples = [e for r in ranks for e in r["examples"]]
+    return {
+        "model": preset.name,
+        "key_model": settings.config.model,
+        "tp": tp,
+        "layers": settings.layers,
+        "model_layers": preset.layers,
+        "tokens_per_block": settings.tokens_per_block,
+        "backend": settings.config.backend,
+        "store": location,
+        "policy": settings.config.writer_policy.value,
+        "seed": settings.workload.seed,
+        "pool_bytes_per_rank": sum(layout.pool_sizes),
+        "num_slots": num_slots,
+        "requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": int(coordinator["hit_tokens"]),
+        "hit_rate": coordinator["hit_tokens"] / prompt_tokens if prompt_tokens else 0.0,
+        "lookup_hit_tokens": int(coordinator["lookup_hit_tokens"]),
+        "blocks": int(coordinator["blocks"]),
+        "blocks_computed": int(coordinator["blocks_computed"]),
+        "blocks_recomputed_after_failed_load": int(
+            coordinator["blocks_recomputed_after_failed_load"]
+        ),
+        "evictions": int(coordinator["evictions"]),
+        "bytes_written_by_rank": bytes_by_rank,
+        "pages_written_by_rank": pages_by_rank,
+        "bytes_written_by_role": {role: sum(v) for role, v in role_bytes.items()},
+        "pages_written_by_role": {role: sum(v) for role, v in role_pages.items()},
+        "bytes_written_by_rank_and_role": role_bytes,
+        "bytes_stored": stored,
+        "bytes_naive": naive,
+        "bytes_rank0_scheme": rank0_scheme,
+        # None when this run wrote nothing (a warm store): there is nothing to compare
+        "saving": 1 - stored / naive if naive else None,
+        "saving_rank0_scheme": 1 - rank0_scheme / naive if naive else None,
+        "write_balance": max(bytes_by_rank) / mean if stored else None,
+        "pages_written": sum(pages_by_rank),
+        "pages_skipped": sum(int(_event(r["stats"], "skipped").get("pages", 0)) for r in ranks),
+        "pages_dropped": sum(int(_event(r["stats"], "dropped").get("pages", 0)) for r in ranks),
+        "pages_loaded": sum(int(_event(r["stats"], "loaded").get("pages", 0)) for r in ranks),
+        "pages_failed": sum(int(_event(r["stats"], "failed").get("pages", 0)) for r in ranks),
+        "pages_verified": sum(int(r["verified"]) for r in ranks),
+        "errors": sum(int(r["errors"]) for r in ranks),
+        "error_examples": examples,
+        "backend_errors": int(coordinator["backend_errors"])
+        + sum(int(r["stats"].get("backend_errors", 0)) for r in ranks),
+        "lookup_unavailable": int(coordinator["lookup_unavailable"]),
+        "wall_s": wall_s,
+        "startup_s": startup_s,  # workload generation and starting the rank processes
+        "replay_s": replay_s,
+        "time_per_request_s": replay_s / requests if requests else 0.0,
+        "time_s": times,
+        "cpu_s": cpu,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The human-readable table printed at the end of a run."""
+    lines: list[str] = []
+    add = lines.append
+    add(
+        f"kvconn simulate: {report['model']} ({report['layers']} of {report['model_layers']} "
+        f"layers), TP={report['tp']}, {report['tokens_per_block']} tokens/block, "
+        f"policy {report['policy']}, {report['store']}; KV pool "
+        f"{human_bytes(report['pool_bytes_per_rank'])} per rank"
+    )
+    add("")
+    add(f"  requests              {report['requests']:>12,}")
+    add(f"  prompt tokens         {report['prompt_tokens']:>12,}")
+    add(f"  hit tokens            {report['hit_tokens']:>12,}   ({report['hit_rate']:.1%})")
+    if report["blocks_recomputed_after_failed_load"]:
+        add(
+            f"  recomputed after a failed load {report['blocks_recomputed_after_failed_load']:,} "
+            f"blocks ({report['evictions']} injected evictions)"
+        )
+    add(f"  pages loaded          {report['pages_loaded']:>12,}")
+    add(f"  pages verified        {report['pages_verified']:>12,}")
+    add(f"  errors                {report['errors']:>12,}")
+    add("")
+    roles = list(report["bytes_written_by_role"])
+    header = f"  {'rank':>5} {'pages':>9} {'bytes':>12}" + "".join(f" {r:>12}" for r in roles)
+    add("  written per rank (bytes by role):")
+    add(header)
+    by_rank_role = report["bytes_written_by_rank_and_role"]
+    for rank, (pages, nbytes) in enumerate(
+        zip(report["pages_written_by_rank"], report["bytes_written_by_rank"])
+    ):
+        cells = "".join(f" {human_bytes(by_rank_role[r][rank]):>12}" for r in roles)
+        add(f"  {rank:>5} {pages:>9,} {human_bytes(nbytes):>12}{cells}")
+    total_cells = "".join(f" {human_bytes(report['bytes_written_by_role'][r]):>12}" for r in roles)
+    add(
+        f"  {'total':>5} {report['pages_written']:>9,} {human_bytes(report['bytes_stored']):>12}"
+        f"{total_cells}"
+    )
+    page_cells = "".join(f" {report['pages_written_by_role'][r]:>12,}" for r in roles)
+    add(f"  {'pages':>5} {'':>9} {'':>12}{page_cells}   (pages holding the role)")
+    add("")
+    add(f"  bytes stored          {human_bytes(report['bytes_stored']):>12}")
+    add(
+        f"  per-rank keying       {human_bytes(report['bytes_naive']):>12}   "
+        f"saving {_percent(report['saving'])}"
+    )
+    add(
+        f"  reference scheme      {human_bytes(report['bytes_rank0_scheme']):>12}   "
+        f"saving {_percent(report['saving_rank0_scheme'])}   "
+        "(K/V/latent per rank, side roles once)"
+    )
+    balance = report["write_balance"]
+    add(
+        "  write balance         "
+        + (f"{balance:>12.3f}" if balance is not None else f"{'-':>12}")
+        + "   (max / mean bytes written per rank)"
+    )
+    add("")
+    add(
+        f"  wall time             {report['wall_s']:>11.2f}s   (start {report['startup_s']:.2f}s, "
+        f"replay {report['replay_s']:.2f}s: {report['time_per_request_s'] * 1000:.1f} ms "
+        "per request)"
+    )
+    for label, key in (("CPU time, all ranks", "cpu_s"), ("busy wall time", "time_s")):
+        times = report[key]
+        total = sum(times.values()) or 1.0
+        split = ", ".join(
+            f"{part} {seconds:.2f}s ({seconds / total:.0%})" for part, seconds in times.items()
+        )
+        add(f"  {label:<21} {split}")
+    if report["pages_dropped"] or report["backend_errors"]:
+        add(
+            f"  backend errors {report['backend_errors']}, pages dropped "
+            f"{report['pages_dropped']} (the store could not be reached)"
+        )
+    if report["errors"]:
+        add("")
+        add(f"  {report['errors']} loaded page(s) differ from recomputation; first examples:")
+        for example in report["error_examples"]:
+            add(f"    {example}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Deterministic stand-ins for the KV bytes a prefill would compute.
+
+The bytes of a region for one block are a function of exactly what determines real KV
+bytes: the token prefix (the block hash names it), the layer, the role and the slice of
+the role this rank holds (``replicated`` or ``w<num_shards>r<shard_index>``). Hence:
+
+* ranks holding the same slice compute byte-identical bytes, as real replicas do, so a
+  page written by one replica is correct for all of them;
+* any page that loads can be checked byte for byte against what recomputation gives: a
+  page from another block, layer, role or shard, a shifted copy or a flipped byte all
+  differ.
+
+Generating bytes must stay cheap next to moving them, so each (block, region) costs one
+16-byte blake2b digest; the digest is tiled over the region and XOR-ed with a fixed
+pseudo-random pattern, which makes every byte position distinct (a copy shifted by any
+offset does not match).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from kvconn.keys import shard_component
+from kvconn.layout import KvLayout, Region, shard_position
+
+_PATTERN_SEED = 0x6B76636F6E6E  # "kvconn"
+_DIGEST = 16
+
+
+def slice_label(layout: KvLayout, rank: int, role: str) -> str:
+    """``replicated``, or the ``w<num_shards>r<shard_index>`` slice this rank holds."""
+    units = layout.role(role).units
+    if units == 1:
+        return shard_component(None)
+    pos = shard_position(rank, layout.tp_size, units)
+    return shard_component(pos.num_shards, pos.shard_index)
+
+
+class Synth:
+    """Computes one rank's region bytes for batches of blocks."""
+
+    def __init__(self, layout: KvLayout, rank: int, model: str) -> None:
+        self.layout = layout
+        self.rank = rank
+        sizes = [r.size for g in layout.groups for r in g.regions]
+        width = -(-max(sizes) // _DIGEST) * _DIGEST
+        gen = torch.Generator().manual_seed(_PATTERN_SEED)
+        self._pattern = torch.randint(0, 256, (width,), dtype=torch.uint8, generator=gen)
+        self._tags: dict[tuple[int, str], bytes] = {}
+        for group in layout.groups:
+            for region in group.regions:
+                label = slice_label(layout, rank, region.role)
+                tag = f"{model}|{region.layer}|{region.role}|{label}".encode()
+                self._tags[(region.layer, region.role)] = tag
+
+    def region_bytes(self, block_hashes: Sequence[bytes], region: Region) -> torch.Tensor:
+        """``[len(block_hashes), region.size]`` uint8: this rank's bytes of ``region``."""
+        n = len(block_hashes)
+        if n == 0:
+            return torch.empty((0, region.size), dtype=torch.uint8)
+        tag = self._tags[(region.layer, region.role)]
+        digests = bytearray()
+        for h in block_hashes:
+            digests += hashlib.blake2b(
+                h + tag, digest_size=_DIGEST, person=b"kvconn-synth"
+            ).digest()
+        base = torch.frombuffer(digests, dtype=torch.uint8).view(n, _DIGEST)
+        reps = -(-region.size // _DIGEST)
+        if region.size % _DIGEST == 0:  # the common case: work on 8-byte words
+            words = base.view(torch.int64).repeat(1, reps)
+            pattern = self._pattern[: region.size].view(torch.int64)
+            return torch.bitwise_xor(words, pattern).view(torch.uint8)
+        tiled = base.repeat(1, reps)[:, : region.size]
+        return torch.bitwise_xor(tiled, self._pattern[: region.size])

@@ -1,0 +1,361 @@
+"""`kvconn simulate`: real model geometry over TP rank processes on an LMDB store.
+
+The runs are small (1 layer, a few short conversations) so the file stays fast on two
+cores; the savings do not depend on the layer count or the workload size, only on the
+bytes per token of each role, which are the presets' real ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+
+from kvconn.cli import main
+from kvconn.errors import ConfigError, LayoutError
+from kvconn.models import PRESETS, get_preset, load_preset, minimax_m3
+from kvconn.plan import plan_pages
+from kvconn.simulate.synth import Synth
+from kvconn.simulate.workload import WorkloadSpec, generate
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--layers",
+    "1",
+    "--conversations",
+    "4",
+    "--turns",
+    "3",
+    "--system-prompts",
+    "2",
+    "--system-tokens",
+    "64:160",
+    "--user-tokens",
+    "16:96",
+    "--reply-tokens",
+    "16:96",
+    "--no-progress",
+]
+
+
+def simulate(capsys, store: Path, *args: str) -> tuple[int, dict[str, Any]]:
+    code = main(["simulate", "--path", str(store), "--json", *SMALL, *args])
+    captured = capsys.readouterr()
+    assert captured.out, captured.err
+    return code, json.loads(captured.out)
+
+
+@pytest.fixture(scope="module")
+def minimax_run(tmp_path_factory):
+    """One minimax-m3 run at TP=8, shared by the tests that only read its report."""
+    store = tmp_path_factory.mktemp("minimax") / "store"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # capsys is per test; this run is per module
+        code = main(["simulate", "--path", str(store), "--json", *SMALL])
+    return code, json.loads(out.getvalue())
+
+
+# ---------------------------------------------------------------- savings at TP=8
+def test_minimax_m3_stores_29_2_percent_less_than_per_rank_keying(minimax_run):
+    code, report = minimax_run
+    assert code == 0
+    assert (report["model"], report["tp"], report["backend"]) == ("minimax-m3", 8, "lmdb")
+    assert report["saving"] == pytest.approx(1 - (8 * 512 + 256) / (8 * 768))
+    assert round(report["saving"], 3) == 0.292
+    assert report["saving_rank0_scheme"] == pytest.approx(report["saving"])  # index-K: both once
+    assert report["bytes_stored"] == sum(report["bytes_written_by_rank"])
+
+
+def test_the_json_report_has_every_documented_key(minimax_run):
+    _, report = minimax_run
+    required = {
+        "model",
+        "tp",
+        "backend",
+        "requests",
+        "prompt_tokens",
+        "hit_tokens",
+        "bytes_written_by_rank",
+        "bytes_stored",
+        "bytes_naive",
+        "saving",
+        "saving_rank0_scheme",
+        "write_balance",
+        "pages_loaded",
+        "pages_verified",
+        "errors",
+    }
+    assert required <= set(report)
+    assert len(report["bytes_written_by_rank"]) == 8
+
+
+def test_every_loaded_page_is_verified_and_none_differs(minimax_run):
+    _, report = minimax_run
+    assert report["hit_tokens"] > 0  # shared system prompts and earlier turns hit
+    assert report["pages_verified"] == report["pages_loaded"] > 0
+    assert report["errors"] == 0 and report["error_examples"] == []
+
+
+@pytest.mark.parametrize(
+    ("model", "saving", "reference"),
+    [
+        ("qwen3-235b-a22b", 0.5, 0.0),  # 4 KV heads at TP=8: pairs of ranks share a head
+        ("deepseek-v3.2", 0.875, 1 - (8 * 656 + 132) / (8 * 788)),  # latent + indexer once
+        ("llama-3.1-70b", 0.0, 0.0),  # one KV head per rank: nothing to share
+    ],
+)
+def test_each_preset_saves_what_its_replicated_bytes_allow(
+    capsys, tmp_path, model, saving, reference
+):
+    code, report = simulate(capsys, tmp_path / "store", "--model", model)
+    assert code == 0 and report["errors"] == 0
+    assert report["saving"] == pytest.approx(saving, abs=1e-9)
+    assert report["saving_rank0_scheme"] == pytest.approx(reference, abs=1e-9)
+    if model == "deepseek-v3.2":
+        assert round(report["saving_rank0_scheme"], 3) == 0.147
+
+
+# ---------------------------------------------------------------- reuse across runs
+def test_a_second_run_on_the_same_store_hits_what_the_first_stored(capsys, tmp_path):
+    store = tmp_path / "store"
+    _, first = simulate(capsys, store)
+    _, second = simulate(capsys, store)
+    assert second["prompt_tokens"] == first["prompt_tokens"]  # the seed replays the workload
+    assert second["hit_tokens"] > first["hit_tokens"]
+    # every full block except each prompt's last token was stored by the first run
+    assert second["bytes_stored"] == 0
+    assert second["saving"] is None  # nothing written: nothing to compare
+    assert second["errors"] == 0 and second["pages_verified"] > first["pages_verified"]
+
+
+# ---------------------------------------------------------------- write ownership
+def test_the_first_policy_puts_every_replicated_page_on_rank_zero(capsys, tmp_path):
+    code, report = simulate(capsys, tmp_path / "store", "--policy", "first")
+    assert code == 0
+    written = report["bytes_written_by_rank"]
+    assert written[0] * 512 == written[1] * 768  # rank 0: K+V+index-K, the others: K+V
+    assert len(set(written[1:])) == 1
+    assert report["write_balance"] == pytest.approx(768 / 544)
+
+
+def test_the_spread_policy_balances_bytes_written_within_5_percent_over_1000_blocks(
+    capsys, tmp_path
+):
+    code, report = simulate(
+        capsys,
+        tmp_path / "store",
+        "--tokens-per-block",
+        "4",
+        "--conversations",
+        "8",
+        "--system-tokens",
+        "64:128",
+        "--user-tokens",
+        "64:256",
+        "--reply-tokens",
+        "64:256",
+    )
+    assert code == 0
+    assert report["pages_written_by_role"]["index_k"] >= 1000  # one per block stored
+    assert report["write_balance"] <= 1.05
+
+
+# ---------------------------------------------------------------- failures
+def test_a_flipped_byte_in_a_stored_page_is_reported_as_an_error(capsys, tmp_path):
+    store = tmp_path / "store"
+    code, _ = simulate(capsys, store)
+    assert code == 0
+    env = lmdb.open(str(store), subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            key, value = next((k, v) for k, v in txn.cursor() if b"/replicated/" in k)
+            flipped = bytearray(value)
+            flipped[100] ^= 0xFF
+            txn.put(key, bytes(flipped))
+    finally:
+        env.close()
+    code, report = simulate(capsys, store)
+    assert code == 1  # the run fails instead of silently serving wrong bytes
+    assert report["errors"] >= 1
+    assert any(key.decode() in e and "byte 100 " in e for e in report["error_examples"])
+
+
+def test_a_page_evicted_after_the_lookup_makes_every_rank_recompute_its_block(capsys, tmp_path):
+    store = tmp_path / "store"
+    simulate(capsys, store)
+    code, report = simulate(capsys, store, "--evict-rate", "1")
+    assert code == 0 and report["errors"] == 0
+    assert report["evictions"] > 0
+    assert report["blocks_recomputed_after_failed_load"] > 0
+    assert report["hit_tokens"] < report["lookup_hit_tokens"]  # the group agreed on less
+    assert report["bytes_stored"] > 0  # the recomputed pages were stored again
+
+
+# ---------------------------------------------------------------- custom layouts
+LAYOUT_TOML = """
+name = "tiny-mla"
+layers = 4
+sources = ["a test layout"]
+
+[[roles]]
+name = "k"
+units = 2
+bytes_per_unit = 256
+dtype = "bf16"
+
+[[roles]]
+name = "v"
+units = 2
+bytes_per_unit = 256
+dtype = "bf16"
+
+[[roles]]
+name = "index_k"
+units = 1
+bytes_per_unit = 64
+dtype = "fp8"
+pool = 1
+reference = "once"
+"""
+
+
+def test_a_custom_toml_layout_runs_with_its_replicated_role_stored_once(capsys, tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(LAYOUT_TOML)
+    code, report = simulate(capsys, tmp_path / "store", "--layout", str(path), "--tp", "2")
+    assert code == 0 and report["errors"] == 0 and report["pages_verified"] > 0
+    assert report["model"] == "tiny-mla"
+    assert report["saving"] == pytest.approx(1 - (2 * 512 + 64) / (2 * 576))
+    assert report["saving_rank0_scheme"] == pytest.approx(report["saving"])
+
+
+def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(LAYOUT_TOML.replace("bytes_per_unit = 64", "bytes_per_unt = 64"))
+    with pytest.raises(ConfigError, match=r"unknown key.*bytes_per_unt"):
+        load_preset(path)
+    path.write_text(LAYOUT_TOML.replace('reference = "once"', 'reference = "twice"'))
+    with pytest.raises(ConfigError, match="'per_rank' or 'once'"):
+        load_preset(path)
+
+
+# ---------------------------------------------------------------- bad options
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model", "gpt-5"],
+            "presets: deepseek-v3.2, llama-3.1-70b, minimax-m3, qwen3-235b-a22b",
+        ),
+        (["--backend", "nope"], "installed backends: "),
+        (["--layers", "100"], "has 60 layers; --layers must be between 1 and 60"),
+        (["--model", "qwen3-235b-a22b", "--tp", "3"], "cannot run at TP=3: role 'k' has 4 units"),
+        (["--option", "map_size"], "--option expects KEY=VALUE"),
+        (["--option", "mapsize=1"], "unknown option(s) mapsize; accepted: path, map_size"),
+        (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
+        (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
+    ],
+)
+def test_bad_options_fail_fast_with_a_clear_message(capsys, tmp_path, args, message):
+    code = main(["simulate", "--path", str(tmp_path / "store"), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- presets and bytes
+def test_presets_have_the_real_per_rank_bytes_at_tp8():
+    per_rank = {
+        name: {r.name: r.bytes_per_token for r in preset.role_specs(8)}
+        for name, preset in PRESETS.items()
+    }
+    assert per_rank == {
+        "minimax-m3": {"k": 256, "v": 256, "index_k": 256},
+        "deepseek-v3.2": {"latent": 512 + 16 + 128, "index_k": 128 + 4},
+        "qwen3-235b-a22b": {"k": 256, "v": 256},
+        "llama-3.1-70b": {"k": 256, "v": 256},
+    }
+    assert {n: p.layers for n, p in PRESETS.items()} == {
+        "minimax-m3": 60,
+        "deepseek-v3.2": 61,
+        "qwen3-235b-a22b": 94,
+        "llama-3.1-70b": 80,
+    }
+    assert {r.name: r.bytes_per_token for r in get_preset("llama-3.1-70b").role_specs(2)} == {
+        "k": 1024,
+        "v": 1024,
+    }
+
+
+def test_minimax_index_k_interleaves_with_k_and_v_inside_each_slot():
+    layout = get_preset("minimax-m3").layout(tp_size=8, layers=2, num_slots=4)
+    regions = [(r.role, r.layer, r.base, r.pool) for r in layout.groups[0].regions]
+    size = 256 * 32
+    assert regions == [
+        ("k", 0, 0, 0),
+        ("v", 0, size, 0),
+        ("index_k", 0, 2 * size, 0),
+        ("k", 1, 3 * size, 0),
+        ("v", 1, 4 * size, 0),
+        ("index_k", 1, 5 * size, 0),
+    ]
+    assert [p.shard_class.label for p in plan_pages(layout)] == ["w8", "replicated"]
+    assert layout == minimax_m3(tp_size=8, layers=2, num_slots=4)
+
+
+def test_deepseek_keeps_its_indexer_in_a_pool_of_its_own():
+    layout = get_preset("deepseek-v3.2").layout(tp_size=8, layers=3, num_slots=4)
+    assert layout.pool_sizes == (3 * 656 * 32 * 4, 3 * 132 * 32 * 4)
+    (page,) = plan_pages(layout)
+    assert page.shard_class.replicated and page.page_size == 3 * (656 + 132) * 32
+
+
+def test_synthetic_bytes_agree_across_replicas_and_differ_across_shards():
+    layout = get_preset("qwen3-235b-a22b").layout(tp_size=8, layers=1, num_slots=4)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    region = layout.groups[0].regions[0]
+    by_rank = [Synth(layout, rank, "m").region_bytes(hashes, region) for rank in range(8)]
+    assert bytes(by_rank[0].flatten().tolist()) == bytes(by_rank[1].flatten().tolist())
+    assert not bool((by_rank[1] == by_rank[2]).all())
+    assert not bool((by_rank[0][0] == by_rank[0][1]).all())  # blocks differ
+    mla = get_preset("deepseek-v3.2").layout(tp_size=8, layers=1, num_slots=4)
+    latent = mla.groups[0].regions[0]
+    first = Synth(mla, 0, "m").region_bytes(hashes, latent)
+    assert all(
+        bool((Synth(mla, r, "m").region_bytes(hashes, latent) == first).all()) for r in (3, 7)
+    )
+
+
+def test_the_workload_is_seed_stable_and_later_turns_extend_earlier_prompts():
+    spec = WorkloadSpec(seed=7, conversations=5, turns=3)
+    requests = generate(spec)
+    assert requests == generate(spec)
+    assert requests != generate(WorkloadSpec(seed=8, conversations=5, turns=3))
+    last: dict[int, tuple[int, ...]] = {}
+    for req in requests:
+        if req.conversation in last:
+            assert req.tokens[: len(last[req.conversation])] == last[req.conversation]
+        last[req.conversation] = req.tokens
+    starts = {r.tokens[:64] for r in requests if r.turn == 0}
+    assert len(starts) <= spec.system_prompts  # shared system prompts repeat
+
+
+def test_a_preset_refuses_a_tp_size_its_heads_cannot_split_over():
+    with pytest.raises(LayoutError, match="cannot run at TP=3: role 'k' has 4 units"):
+        get_preset("qwen3-235b-a22b").layout(tp_size=3)
+
+
+def test_a_rank_that_fails_to_start_stops_the_run_with_its_error():
+    from kvconn.config import ConnectorConfig
+    from kvconn.simulate.runner import SimulationError, _Group
+    from kvconn.simulate.worker import RankSpec
+
+    config = ConnectorConfig(model="m", backend="lmdb", options={"path": "/nonexistent/\0bad"})
+    spec = RankSpec(0, get_preset("llama-3.1-70b"), 8, 1, 4, 32, config)
+    with pytest.raises(SimulationError, match="rank 0 failed: "):
+        _Group([spec], "forkserver")
