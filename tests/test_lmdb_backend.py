@@ -2,6 +2,7 @@
 
 import os
 import stat
+import subprocess
 
 import pytest
 
@@ -70,3 +71,34 @@ def test_bad_options_are_rejected_naming_the_option(tmp_path):
     file_path.write_text("x")
     with pytest.raises(ConfigError, match=r"cannot create directory|not a directory"):
         load_backend("lmdb", {"path": str(file_path)})
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MiB tmpfs: a real full disk, where this machine lets root mount one."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_is_a_clear_error_and_keeps_what_was_stored(tiny_disk):
+    backend = load_backend("lmdb", {"path": str(tiny_disk / "db"), "map_size": 1 << 20})
+    value = os.urandom(256 * 1024)
+    stored = []
+    with pytest.raises(BackendError, match=r"disk holding .* is full"):
+        for i in range(100):
+            backend.put([f"k/{i}"], [value])
+            stored.append(f"k/{i}")
+    assert stored and all(backend.exists(stored))
+    buf = bytearray(len(value))
+    assert backend.get([stored[0]], [buf]) == [True] and bytes(buf) == value
+    backend.close()

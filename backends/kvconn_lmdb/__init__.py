@@ -167,10 +167,8 @@ class LmdbBackend(Backend):
                 self._grow(env, sum(v.nbytes for v in values))
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
-            except lmdb.Error as exc:
-                raise self._write_error(exc) from exc
-            except OSError as exc:
-                raise self._write_error(exc) from exc
+            except (lmdb.Error, OSError) as exc:
+                raise self._write_error(exc, sum(v.nbytes for v in values)) from exc
 
     def _grow(self, env: Any, batch_bytes: int) -> None:
         current = env.info()["map_size"]
@@ -183,11 +181,20 @@ class LmdbBackend(Backend):
             target = min(target, self._max_map_size)
         env.set_mapsize(target)
 
-    def _write_error(self, exc: BaseException) -> BackendError:
+    def _write_error(self, exc: BaseException, batch_bytes: int = 0) -> BackendError:
+        # LMDB often reports a full disk as EIO from mdb_txn_commit, so ask the file
+        # system how much room is left rather than trusting the error code alone.
         code = getattr(exc, "errno", None)
         text = str(exc)
-        if code == errno.ENOSPC or "No space left" in text:
-            return BackendError(f"lmdb: the disk holding {self.path} is full: {text}")
+        try:
+            st = os.statvfs(self.path)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = -1
+        if code == errno.ENOSPC or "No space left" in text or 0 <= free < batch_bytes + (1 << 20):
+            return BackendError(
+                f"lmdb: the disk holding {self.path} is full ({max(free, 0)} bytes free): {text}"
+            )
         return BackendError(f"lmdb: write failed in {self.path}: {text}")
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
