@@ -1,0 +1,593 @@
+"""The Mooncake backend against a real Mooncake Store: master, metadata server, storage.
+
+Every cluster here is started by the tests on free loopback ports
+(:class:`~kvconn.devserver.mooncake.MooncakeCluster`) and stopped at the end; clients
+mount no memory, so data lives in standalone storage processes. A missing Mooncake
+skips locally and fails in CI (``require_or_skip``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.devserver._ports import free_port
+from kvconn.devserver.mooncake import MooncakeCluster
+from kvconn.errors import BackendError, BackendUnavailable, ConfigError
+from kvconn.hashing import block_hashes
+from kvconn.models import minimax_m3
+from kvconn.registry import describe_backends, load_backend
+from kvconn.testing import BackendTests
+from kvconn.testing.suite import require_or_skip
+
+pytestmark = pytest.mark.server
+
+MiB = 2**20
+
+
+def _require_mooncake() -> None:
+    require_or_skip(MooncakeCluster.available())
+
+
+@pytest.fixture(scope="module")
+def loopback_env() -> Iterator[None]:
+    """Keep the test clients' transfer engines on loopback, as the cluster's processes are.
+
+    Without it Mooncake advertises the first non-loopback interface (e.g. eth0).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        for name in ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+            patch.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def cluster(loopback_env: None) -> Iterator[MooncakeCluster]:
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=256 * MiB) as running:
+        yield running
+
+
+def _options(cluster: MooncakeCluster, **extra: Any) -> dict[str, Any]:
+    return {**cluster.options, "read_env": False, "setup_retries": 1, **extra}
+
+
+def _open(options: dict[str, Any]) -> Any:
+    """The backend as the connector gets it: by name, through the entry point."""
+    return load_backend("mooncake", options)
+
+
+class _RestartMaster:
+    """server_control: crash the master, then start it again on the same ports (empty)."""
+
+    def __init__(self, cluster: MooncakeCluster) -> None:
+        self.cluster = cluster
+
+    def stop(self) -> None:
+        self.cluster.kill_master()
+
+    def start(self) -> None:
+        self.cluster.restart_master()
+
+
+# ---------------------------------------------------------------- conformance
+class TestMooncakeConformance(BackendTests):
+    backend_name = "mooncake"
+
+    @pytest.fixture
+    def backend_options(self, cluster: MooncakeCluster) -> dict[str, Any]:
+        return _options(cluster)
+
+    @pytest.fixture
+    def server_control(self, cluster: MooncakeCluster) -> _RestartMaster:
+        return _RestartMaster(cluster)
+
+
+# ---------------------------------------------------------------- helpers
+def _value(seed: int, size: int) -> bytes:
+    block = bytes((seed * 7 + i) % 251 for i in range(251))
+    return (block * (size // 251 + 1))[:size]
+
+
+class _CountingStore:
+    """Wraps the real client and counts which of its methods are called."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _count_calls(backend: Any) -> _CountingStore:
+    counting = _CountingStore(backend._store)
+    backend._store = counting
+    return counting
+
+
+def _uncount(backend: Any, counting: _CountingStore) -> None:
+    backend._store = counting._store
+
+
+@pytest.fixture
+def backend(cluster: MooncakeCluster) -> Iterator[Any]:
+    opened = _open(_options(cluster))
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"mc/{uuid.uuid4().hex}"
+
+
+# ---------------------------------------------------------------- zero-copy paths
+def test_registered_memory_moves_with_batch_put_from_and_batch_get_into_only(
+    backend: Any, prefix: str
+) -> None:
+    arena = bytearray(8 * MiB)
+    view = memoryview(arena)
+    backend.register_buffer(view)
+    try:
+        view[: 4 * MiB] = _value(1, 4 * MiB)
+        keys = [f"{prefix}/{i}" for i in range(4)]
+        counting = _count_calls(backend)
+        pages = [view[i * MiB : (i + 1) * MiB] for i in range(4)]
+        assert backend.put(keys, pages) == [True] * 4
+        dest = [view[(4 + i) * MiB : (5 + i) * MiB] for i in range(4)]
+        assert backend.get(keys, dest) == [True] * 4
+        _uncount(backend, counting)
+        assert bytes(view[4 * MiB :]) == _value(1, 4 * MiB)
+        assert counting.calls == {
+            "batch_put_from": 1,
+            "batch_get_replica_desc": 1,  # the size check, one RPC for the batch
+            "batch_get_into": 1,
+        }
+        assert backend.counters["put_zero_copy"] == 4 and backend.counters["put_scratch"] == 0
+        assert backend.counters["get_zero_copy"] == 4 and backend.counters["get_scratch"] == 0
+    finally:
+        backend.unregister_buffer(view)
+
+
+def test_unregistered_buffers_round_trip_through_the_scratch_area_in_several_rounds(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    backend = _open(_options(cluster, scratch_bytes=256 * 1024))
+    try:
+        sizes = [100_000, 300_000, 5, 200_000, 70_000, 1]  # 300 KB > the scratch cap
+        keys = [f"{prefix}/{i}" for i in range(len(sizes))]
+        values = [_value(i, n) for i, n in enumerate(sizes)]
+        counting = _count_calls(backend)
+        assert backend.put(keys, values) == [True] * len(keys)
+        buffers = [bytearray(n) for n in sizes]
+        assert backend.get(keys, buffers) == [True] * len(keys)
+        _uncount(backend, counting)
+        assert [bytes(b) for b in buffers] == values
+        assert counting.calls["batch_put_from"] >= 3  # rounds capped by scratch_bytes
+        assert counting.calls["put"] == counting.calls["get"] == 0  # never the copying API
+        assert backend.counters["put_scratch"] == backend.counters["get_scratch"] == len(keys)
+    finally:
+        backend.close()
+
+
+def test_a_batch_mixing_registered_and_unregistered_memory_moves_both_correctly(
+    backend: Any, prefix: str
+) -> None:
+    arena = bytearray(2 * MiB)
+    view = memoryview(arena)
+    backend.register_buffer(view)
+    try:
+        view[:1000] = _value(5, 1000)
+        keys = [f"{prefix}/reg", f"{prefix}/bytes"]
+        assert backend.put(keys, [view[:1000], _value(6, 2000)]) == [True, True]
+        loose = bytearray(1000)
+        assert backend.get(keys, [loose, view[MiB : MiB + 2000]]) == [True, True]
+        assert bytes(loose) == _value(5, 1000)
+        assert bytes(view[MiB : MiB + 2000]) == _value(6, 2000)
+        assert backend.counters["put_zero_copy"] == 1 and backend.counters["put_scratch"] == 1
+        assert backend.counters["get_zero_copy"] == 1 and backend.counters["get_scratch"] == 1
+    finally:
+        backend.unregister_buffer(view)
+
+
+@pytest.mark.parametrize("size", [4095, 4097, 8192])
+def test_a_registered_buffer_of_the_wrong_size_fails_and_stays_untouched(
+    backend: Any, prefix: str, size: int
+) -> None:
+    arena = bytearray(b"\x11" * (64 * 1024))
+    view = memoryview(arena)
+    backend.register_buffer(view)
+    try:
+        key = f"{prefix}/page"
+        assert backend.put([key], [_value(2, 4096)]) == [True]
+        assert backend.get([key], [view[:size]]) == [False]
+        assert arena == bytearray(b"\x11" * (64 * 1024))
+        assert backend.counters["get_wrong_size"] == 1
+    finally:
+        backend.unregister_buffer(view)
+
+
+def test_a_key_twice_in_one_get_fills_both_registered_buffers(backend: Any, prefix: str) -> None:
+    """Mooncake's batch_get_into reports both but fills only one: the backend copies."""
+    arena = bytearray(3 * 4096)
+    view = memoryview(arena)
+    backend.register_buffer(view)
+    try:
+        key = f"{prefix}/twice"
+        backend.put([key], [_value(3, 4096)])
+        assert backend.get([key, key], [view[:4096], view[4096:8192]]) == [True, True]
+        assert bytes(view[:4096]) == bytes(view[4096:8192]) == _value(3, 4096)
+    finally:
+        backend.unregister_buffer(view)
+
+
+def test_a_put_another_writer_has_in_flight_reads_as_a_miss_never_as_torn_bytes(
+    backend: Any, prefix: str
+) -> None:
+    key = f"{prefix}/in-flight"
+    raw = backend._store
+    assert raw.batch_put_session_start([key], [4096]) == [0]  # reserved, bytes not yet sent
+    try:
+        buf = bytearray(b"\x22" * 4096)
+        assert backend.exists([key]) == [False]
+        assert backend.get([key], [buf]) == [False]
+        assert buf == bytearray(b"\x22" * 4096)
+        assert backend.put([key], [_value(4, 4096)]) == [True]  # the first writer wins
+    finally:
+        raw.batch_put_session_revoke([key])
+
+
+def test_a_value_read_before_can_still_be_deleted(backend: Any, prefix: str) -> None:
+    """Reads take a 10 s lease that blocks a plain remove: delete forces it."""
+    key = f"{prefix}/leased"
+    backend.put([key], [b"leased"])
+    assert backend.get([key], [bytearray(6)]) == [True]
+    assert backend.delete([key, key]) == [True, True]
+    assert backend.exists([key]) == [False]
+
+
+# ---------------------------------------------------------------- lifecycle and faults
+def test_a_closed_backend_raises_instead_of_crashing_the_process(cluster: MooncakeCluster) -> None:
+    backend = _open(_options(cluster))
+    arena = bytearray(4096)
+    backend.register_buffer(memoryview(arena))
+    backend.close()
+    backend.close()  # idempotent
+    backend.unregister_buffer(memoryview(arena))  # a no-op now
+    for call in (
+        lambda: backend.exists(["closed/a"]),
+        lambda: backend.put(["closed/a"], [b"x"]),
+        lambda: backend.get(["closed/a"], [bytearray(1)]),
+        lambda: backend.delete(["closed/a"]),
+        lambda: backend.register_buffer(memoryview(bytearray(8))),
+    ):
+        with pytest.raises(BackendError, match="closed"):
+            call()
+
+
+def test_after_one_slow_failure_a_dead_master_is_reported_at_once(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    backend = _open(_options(cluster))
+    try:
+        backend.put([f"{prefix}/a"], [b"a"])
+        cluster.kill_master()
+        try:
+            with pytest.raises(BackendUnavailable):
+                backend.exists([f"{prefix}/a"])  # asks the client: up to ~4.4 s
+            for call in (
+                lambda: backend.exists([f"{prefix}/a"]),
+                lambda: backend.get([f"{prefix}/a"], [bytearray(1)]),
+                lambda: backend.put([f"{prefix}/b"], [b"b"]),
+            ):
+                started = time.monotonic()
+                with pytest.raises(BackendUnavailable, match="unreachable"):
+                    call()
+                assert time.monotonic() - started < 1.0  # the probe, not a 4.4 s RPC
+        finally:
+            cluster.restart_master()
+        assert backend.put([f"{prefix}/c"], [b"c"]) == [True]
+        assert backend.exists([f"{prefix}/c"]) == [True]
+    finally:
+        backend.close()
+
+
+def test_a_master_down_at_start_is_unavailable_then_the_same_backend_connects(
+    cluster: MooncakeCluster, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster.kill_master()
+    try:
+        with caplog.at_level(logging.WARNING):
+            backend = _open(_options(cluster))
+        assert "unreachable" in caplog.text
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            backend.exists([f"{prefix}/a"])
+        assert time.monotonic() - started < 1.0
+        arena = bytearray(4096)
+        backend.register_buffer(memoryview(arena))  # remembered, registered at setup
+    finally:
+        cluster.restart_master()
+    try:
+        arena[:] = _value(9, 4096)
+        assert backend.put([f"{prefix}/a"], [memoryview(arena)]) == [True]
+        assert backend.counters["put_zero_copy"] == 1
+        assert backend.exists([f"{prefix}/a"]) == [True]
+    finally:
+        backend.close()
+
+
+def test_memory_released_while_the_master_is_down_can_be_registered_again_after_it_returns(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    """An unregister while the metadata server is down would wedge the range for good."""
+    backend = _open(_options(cluster))
+    try:
+        arena = bytearray(MiB)
+        view = memoryview(arena)
+        backend.register_buffer(view)
+        cluster.kill_master()
+        try:
+            with pytest.raises(BackendUnavailable):
+                backend.exists([f"{prefix}/a"])
+            backend.unregister_buffer(view)  # as the connector's staging does on regrowth
+        finally:
+            cluster.restart_master()
+        backend.register_buffer(view)  # the same addresses again
+        view[:4096] = _value(8, 4096)
+        assert backend.put([f"{prefix}/a"], [view[:4096]]) == [True]
+        assert backend.get([f"{prefix}/a"], [view[8192 : 8192 + 4096]]) == [True]
+        assert bytes(view[8192 : 8192 + 4096]) == _value(8, 4096)
+        assert backend.counters["register_refused"] == 0
+        assert backend.counters["put_zero_copy"] == backend.counters["get_zero_copy"] == 1
+        backend.unregister_buffer(view)
+    finally:
+        backend.close()
+
+
+def test_a_full_store_drops_saves_as_false_and_never_yields_a_partial_value(
+    loopback_env: None,
+) -> None:
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=32 * MiB) as small:
+        backend = _open(_options(small))
+        try:
+            arena = bytearray(40 * MiB)
+            view = memoryview(arena)
+            backend.register_buffer(view)
+            for i in range(40):
+                view[i * MiB : (i + 1) * MiB] = _value(i, MiB)
+            keys = [f"full/{i}" for i in range(40)]
+            stored = backend.put(keys, [view[i * MiB : (i + 1) * MiB] for i in range(40)])
+            assert 0 < sum(stored) < 40  # 40 MiB into 32 MiB: some puts got -200
+            assert backend.counters["put_full"] == stored.count(False)
+            more = [f"full/more/{i}" for i in range(40)]  # keeps eviction busy
+            for start in range(0, 40, 8):
+                backend.put(more[start : start + 8], [_value(i, MiB) for i in range(8)])
+            buffers = [bytearray(b"\xee" * MiB) for _ in keys]
+            found = backend.get(keys, buffers)
+            for i, (ok, buf) in enumerate(zip(found, buffers)):
+                assert bytes(buf) == (_value(i, MiB) if ok else b"\xee" * MiB)
+            assert sum(found) < 40
+            backend.unregister_buffer(view)
+        finally:
+            backend.close()
+
+
+def test_with_two_replicas_every_value_still_loads_after_a_storage_process_dies(
+    loopback_env: None,
+) -> None:
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=2) as pair:
+        backend = _open(_options(pair, replica_num=2))
+        try:
+            keys = [f"replicas/{i}" for i in range(20)]
+            values = [_value(i, 256 * 1024) for i in range(20)]
+            assert backend.put(keys, values) == [True] * 20
+            pair.kill_storage(0)
+            # Before the master drops the dead segment, reads that pick it fail (-800):
+            # False and an untouched buffer, never an exception or wrong bytes.
+            buffers = [bytearray(b"\xee" * len(v)) for v in values]
+            found = backend.get(keys, buffers)
+            for ok, buf, value in zip(found, buffers, values):
+                assert bytes(buf) == (value if ok else b"\xee" * len(value))
+            deadline = time.monotonic() + 30
+            while len(pair.segments()) > 1:
+                assert time.monotonic() < deadline, pair.segments()
+                time.sleep(0.2)
+            buffers = [bytearray(len(v)) for v in values]
+            assert backend.get(keys, buffers) == [True] * 20
+            assert [bytes(b) for b in buffers] == values
+        finally:
+            backend.close()
+
+
+# ---------------------------------------------------------------- the connector on top
+def test_the_connector_registers_its_staging_once_and_moves_pages_without_copies(
+    cluster: MooncakeCluster,
+) -> None:
+    layout = minimax_m3(tp_size=1, layers=2, num_slots=8)
+    pool = torch.randint(0, 256, (layout.pool_sizes[0],), dtype=torch.uint8)
+    conn = Connector(
+        ConnectorConfig(
+            model=f"mm3-{uuid.uuid4().hex[:8]}", backend="mooncake", options=_options(cluster)
+        ),
+        layout,
+        rank=0,
+        pools=[pool],
+    )
+    backend: Any = conn.backend
+    try:
+        hashes = block_hashes(list(range(32 * 4)), 32)
+        saved = conn.save(hashes, [0, 1, 2, 3])
+        assert saved.written > 0 and saved.dropped == 0
+        assert conn.lookup(hashes).blocks == 4
+        result = conn.load(hashes, [4, 5, 6, 7])
+        assert result.ok and result.loaded == 4
+        assert len(backend._registry) == 1  # the staging buffer, registered once
+        assert backend.counters["put_scratch"] == backend.counters["get_scratch"] == 0
+        assert backend.counters["put_zero_copy"] == saved.written
+        assert backend.counters["get_zero_copy"] > 0
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------- configuration
+def test_mooncake_environment_variables_configure_the_backend(
+    cluster: MooncakeCluster, monkeypatch: pytest.MonkeyPatch, prefix: str
+) -> None:
+    for name, value in cluster.env.items():
+        monkeypatch.setenv(name, value)
+    backend = _open({"setup_retries": 1})
+    try:
+        assert backend.config.master_address == cluster.master_address
+        assert backend.config.sources["master_address"] == "MOONCAKE_MASTER"
+        assert backend.config.global_segment_size == 0
+        assert backend.put([f"{prefix}/env"], [b"from env"]) == [True]
+        assert backend.exists([f"{prefix}/env"]) == [True]
+    finally:
+        backend.close()
+
+
+def test_a_mooncake_config_path_json_configures_the_backend_and_options_win(
+    cluster: MooncakeCluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, prefix: str
+) -> None:
+    document = {**cluster.config_json(), "local_buffer_size": "32mb"}
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(document))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.setenv("MOONCAKE_MASTER", f"127.0.0.1:{free_port()}")  # ignored: the file wins
+    backend = _open({"setup_retries": 1, "local_hostname": "127.0.0.1"})
+    try:
+        assert backend.config.master_address == cluster.master_address
+        assert backend.config.local_buffer_size == 32 * MiB
+        assert backend.config.sources["local_hostname"] == "option"
+        assert backend.config.sources["metadata_server"].startswith("key 'metadata_server'")
+        assert backend.put([f"{prefix}/json"], [b"from json"]) == [True]
+    finally:
+        backend.close()
+
+
+def test_the_mooncake_backend_is_listed_as_usable() -> None:
+    infos = {info.name: info for info in describe_backends()}
+    assert "mooncake" in infos
+    from kvconn_mooncake import MooncakeBackend
+
+    assert infos["mooncake"].problem == MooncakeBackend.client_problem()
+
+
+_MASTER = "127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"master_address": "no-port"}, "option 'master_address' must be host:port"),
+        ({"master_address": "h:99999"}, "option 'master_address'"),
+        ({"master_address": 5}, "option 'master_address' must be a string"),
+        ({"master_address": _MASTER, "protocol": "udp"}, "option 'protocol' must be one of"),
+        ({"master_address": _MASTER, "metadata_server": ""}, "option 'metadata_server'"),
+        ({"master_address": _MASTER, "device_name": 5}, "option 'device_name'"),
+        ({"master_address": _MASTER, "local_hostname": "a b"}, "option 'local_hostname'"),
+        ({"master_address": _MASTER, "global_segment_size": -1}, "option 'global_segment_size'"),
+        ({"master_address": _MASTER, "global_segment_size": "lots"}, "'global_segment_size'"),
+        ({"master_address": _MASTER, "local_buffer_size": True}, "option 'local_buffer_size'"),
+        ({"master_address": _MASTER, "replica_num": 0}, "option 'replica_num'"),
+        ({"master_address": _MASTER, "replica_num": True}, "option 'replica_num'"),
+        ({"master_address": _MASTER, "soft_pin": "yes"}, "option 'soft_pin'"),
+        ({"master_address": _MASTER, "setup_retries": 0}, "option 'setup_retries'"),
+        ({"master_address": _MASTER, "probe_timeout_s": 0}, "option 'probe_timeout_s'"),
+        ({"master_address": _MASTER, "scratch_bytes": 0}, "option 'scratch_bytes'"),
+        ({"master_address": _MASTER, "read_env": "no"}, "option 'read_env'"),
+        ({"master_address": _MASTER, "no_such_option": 1}, "unknown option.*no_such_option"),
+        ({"read_env": False}, "option 'master_address' is required"),
+    ],
+)
+def test_bad_options_are_rejected_naming_the_option(options: dict[str, Any], match: str) -> None:
+    require_or_skip(_client_problem())
+    with pytest.raises(ConfigError, match=match):
+        _open(options)
+
+
+def test_a_bad_mooncake_environment_variable_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    require_or_skip(_client_problem())
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("MOONCAKE_MASTER", _MASTER)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(ConfigError, match="environment variable MOONCAKE_PROTOCOL"):
+        _open({})
+
+
+def test_a_broken_mooncake_config_file_is_named_in_the_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    require_or_skip(_client_problem())
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    with pytest.raises(ConfigError, match=r"MOONCAKE_CONFIG_PATH.*not valid JSON"):
+        _open({})
+    path.write_text(json.dumps({"master_server_address": _MASTER, "global_segment_size": "x"}))
+    with pytest.raises(ConfigError, match=r"key 'global_segment_size' in .*broken.json"):
+        _open({})
+
+
+def test_settings_follow_option_then_file_then_environment_then_default() -> None:
+    from kvconn_mooncake._config import make_config
+
+    knobs: dict[str, Any] = {
+        "replica_num": 1,
+        "soft_pin": False,
+        "setup_retries": None,
+        "probe_timeout_s": 0.5,
+        "scratch_bytes": MiB,
+        "read_env": True,
+    }
+    env = {
+        "MOONCAKE_MASTER": "env:1",
+        "MOONCAKE_PROTOCOL": "RDMA",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "3.125gb",
+        "MOONCAKE_DEVICE": "mlx5_0",
+    }
+    config = make_config({"master_address": "opt:2"}, environ=env, **knobs)
+    assert (config.master_address, config.protocol) == ("opt:2", "rdma")
+    assert config.global_segment_size == 3355443200 and config.device_name == "mlx5_0"
+    assert config.metadata_server == "P2PHANDSHAKE" and config.sources["metadata_server"] == (
+        "default"
+    )
+    config = make_config({"device_name": ["mlx5_0", "mlx5_1"]}, environ=env, **knobs)
+    assert config.device_name == "mlx5_0,mlx5_1"
+    assert config.master_host_port == ("env", 1)
+    etcd = make_config({"master_address": "etcd://a:1;b:2"}, environ={}, **knobs)
+    assert etcd.master_host_port is None  # no TCP probe for a master with HA
+
+
+def _client_problem() -> str | None:
+    from kvconn_mooncake import MooncakeBackend
+
+    return MooncakeBackend.client_problem()
