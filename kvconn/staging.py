@@ -7,9 +7,13 @@ buffer registered once, not per call.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvconn.backend import Backend, tensor_bytes
+
+log = logging.getLogger("kvconn")
 
 
 class Staging:
@@ -21,22 +25,34 @@ class Staging:
         self._registered = False
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        """A uint8 tensor of at least ``nbytes`` and a byte view of the same memory."""
+        """A uint8 tensor of at least ``nbytes`` and a byte view of the same memory.
+
+        Grows to the next power of two, so a slowly growing request size does not
+        re-allocate (and re-register) on every call.
+        """
         if self._tensor is None or self._tensor.numel() < nbytes:
             self.release()
-            tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self._pin)
+            size = 1 << max(0, nbytes - 1).bit_length()
+            tensor = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=self._pin)
             view = tensor_bytes(tensor)
             if self._backend.capabilities.buffer_registration:
-                self._backend.register_buffer(view)
-                self._registered = True
+                # Registration only speeds transfers up: a store that refuses it now
+                # (down, out of registrations) still serves unregistered buffers.
+                try:
+                    self._backend.register_buffer(view)
+                    self._registered = True
+                except Exception as exc:
+                    log.warning("kvconn: could not register staging memory: %s", exc)
             self._tensor, self._view = tensor, view
-        assert self._view is not None
+        assert self._tensor is not None and self._view is not None
         return self._tensor, self._view
 
     def release(self) -> None:
         if self._view is not None and self._registered:
             try:
                 self._backend.unregister_buffer(self._view)
+            except Exception as exc:
+                log.warning("kvconn: could not unregister staging memory: %s", exc)
             finally:
                 self._registered = False
         self._tensor = None

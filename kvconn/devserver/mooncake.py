@@ -322,8 +322,9 @@ class MooncakeCluster:
     ) -> None:
         if storage_processes < 0:
             raise ValueError(f"storage_processes must be >= 0, got {storage_processes}")
-        if segment_size <= 0:
-            raise ValueError(f"segment_size must be > 0, got {segment_size}")
+        if segment_size < 16 * 2**20:
+            # mooncake_client aborts below this with an unhelpful message
+            raise ValueError(f"segment_size must be >= 16 MiB, got {segment_size}")
         self.storage_processes = storage_processes
         self.segment_size = int(segment_size)
         self.host = host

@@ -232,6 +232,14 @@ class BackendTests:
             dest = [view[8192 + i * 1024 : 8192 + (i + 1) * 1024] for i in range(4)]
             assert backend.get(keys, dest) == [True] * 4
             assert bytes(view[8192 : 8192 + 4096]) == _value(3, 4096)
+            # the same key twice in one batch fills both registered buffers
+            twice = [view[16384 : 16384 + 1024], view[20480 : 20480 + 1024]]
+            assert backend.get([keys[1], keys[1]], twice) == [True, True]
+            assert bytes(twice[0]) == bytes(twice[1]) == _value(3, 4096)[1024:2048]
+            # a registered buffer of the wrong size fails and stays untouched
+            view[32768 : 32768 + 1500] = b"\x33" * 1500
+            assert backend.get([keys[2]], [view[32768 : 32768 + 1500]]) == [False]
+            assert bytes(view[32768 : 32768 + 1500]) == b"\x33" * 1500
         finally:
             backend.unregister_buffer(view)
 
