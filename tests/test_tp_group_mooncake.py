@@ -21,7 +21,11 @@ from kvconn.devserver.mooncake import MooncakeCluster
 from kvconn.hashing import block_hashes
 from kvconn.models import minimax_m3
 from kvconn.testing.suite import require_or_skip
-from kvconn.testing.tpgroup import RankReport, overlapping_requests, run_tp_group
+from kvconn.testing.tpgroup import (
+    assert_group_consistent,
+    overlapping_requests,
+    run_tp_group,
+)
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -44,16 +48,6 @@ def _config(cluster: MooncakeCluster, **options: Any) -> dict[str, Any]:
     }
 
 
-def check_group(reports: list[RankReport], *, exact_loads: bool = True) -> None:
-    assert [r.error for r in reports] == [None] * len(reports)
-    assert all(r.hits == reports[0].hits for r in reports), [r.hits for r in reports]
-    assert sum(r.mismatched_regions for r in reports) == 0
-    for r in reports:
-        assert all(loaded <= hit for loaded, hit in zip(r.loaded, r.hits))
-        if exact_loads:
-            assert r.loaded == r.hits
-
-
 def _full_blocks(requests: list[list[int]], tokens_per_block: int, num_slots: int) -> list[int]:
     return [min(len(tokens) // tokens_per_block, num_slots) for tokens in requests]
 
@@ -72,7 +66,7 @@ def test_eight_ranks_on_mooncake_agree_and_load_exactly_what_was_saved(
         _config(cluster),
         overlapping_requests(6, 32),
     )
-    check_group(reports)
+    assert_group_consistent(reports)
     assert sum(reports[0].hits) > 0
     assert all(r.stats["total"].get("dropped", {"pages": 0})["pages"] == 0 for r in reports)
 
@@ -87,7 +81,7 @@ def test_under_eviction_no_rank_loads_a_partial_block_and_all_agree_on_hits() ->
             overlapping_requests(30, 32, seed=3),
         )
         metrics = small.metrics()
-    check_group(reports, exact_loads=False)
+    assert_group_consistent(reports, exact_loads=False)
     written = sum(r.stats["total"].get("written", {"bytes": 0})["bytes"] for r in reports)
     assert written > 2 * 16 * MiB, written  # the load really was larger than memory
     assert metrics["master_evicted_key_count"] > 0
@@ -134,10 +128,10 @@ def test_with_two_replicas_every_block_still_loads_after_a_storage_process_is_ki
     with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=2) as pair:
         config = _config(pair, replica_num=2)
         first = run_tp_group(layout_factory, config, requests)
-        check_group(first)
+        assert_group_consistent(first)
         pair.kill_storage(0, wait_unmounted=True)
         second = run_tp_group(layout_factory, config, requests)
-    check_group(second)
+    assert_group_consistent(second)
     # Everything the first run saved is still there: each request hits in full.
     assert second[0].hits == _full_blocks(requests, 32, 16)
     assert sum(r.mismatched_regions for r in second) == 0

@@ -12,7 +12,7 @@ from kvconn.devserver.redis import RedisCluster, RedisServer
 from kvconn.hashing import block_hashes
 from kvconn.models import minimax_m3
 from kvconn.testing.suite import require_or_skip
-from kvconn.testing.tpgroup import overlapping_requests, run_tp_group
+from kvconn.testing.tpgroup import assert_group_consistent, overlapping_requests, run_tp_group
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -24,23 +24,13 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-def check_group(reports, *, exact_loads=True):
-    assert [r.error for r in reports] == [None] * len(reports)
-    assert all(r.hits == reports[0].hits for r in reports), [r.hits for r in reports]
-    assert sum(r.mismatched_regions for r in reports) == 0
-    for r in reports:
-        assert all(loaded <= hit for loaded, hit in zip(r.loaded, r.hits))
-        if exact_loads:
-            assert r.loaded == r.hits
-
-
 def test_eight_ranks_on_one_redis_agree_and_load_exactly_what_was_saved(redis_server):
     reports = run_tp_group(
         functools.partial(minimax_m3, tp_size=8, layers=2, num_slots=16),
         {"model": "mm3", "backend": "redis", "options": redis_server.options},
         overlapping_requests(6, 32),
     )
-    check_group(reports)
+    assert_group_consistent(reports)
     assert sum(reports[0].hits) > 0
 
 
@@ -52,7 +42,7 @@ def test_eight_ranks_on_a_redis_cluster_agree_and_load_exactly_what_was_saved():
             {"model": "mm3", "backend": "redis", "options": cluster.options},
             overlapping_requests(6, 32),
         )
-    check_group(reports)
+    assert_group_consistent(reports)
     assert sum(reports[0].hits) > 0
 
 
@@ -68,7 +58,7 @@ def test_under_eviction_no_rank_loads_a_partial_block_and_all_agree_on_hits():
         stats = server.command("INFO", "stats")
     if isinstance(stats, bytes):
         stats = stats.decode()
-    check_group(reports, exact_loads=False)
+    assert_group_consistent(reports, exact_loads=False)
     evicted = int(str(stats).split("evicted_keys:")[1].split("\r\n")[0].strip())
     assert evicted > 0  # the load really was larger than memory
 

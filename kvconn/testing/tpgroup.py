@@ -150,3 +150,19 @@ def run_tp_group(
             if p.is_alive():
                 p.kill()
     return sorted(reports, key=lambda r: r.rank)
+
+
+def assert_group_consistent(reports: list[RankReport], *, exact_loads: bool = True) -> None:
+    """The group-level rules every store must keep, whatever it evicted.
+
+    Every rank ran without error and saw the same hit count for every request; no
+    loaded byte differed from recomputation; no rank loaded more than the hit. With
+    ``exact_loads`` (no eviction in play) every rank loaded exactly the hit.
+    """
+    assert [r.error for r in reports] == [None] * len(reports), [r.error for r in reports]
+    assert all(r.hits == reports[0].hits for r in reports), [r.hits for r in reports]
+    assert sum(r.mismatched_regions for r in reports) == 0
+    for r in reports:
+        assert all(loaded <= hit for loaded, hit in zip(r.loaded, r.hits))
+        if exact_loads:
+            assert r.loaded == r.hits, (r.rank, r.loaded, r.hits)
