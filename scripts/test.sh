@@ -19,8 +19,7 @@ fi
 PY="${PYTHON:-python3}"
 # The CPU build of torch: a plain 'pip install torch' would pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch' 2>/dev/null; then
-    "$PY" -m pip install -q torch==2.13.0 \
-        || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e '.[dev,redis,mooncake]'
 
