@@ -6,6 +6,7 @@ is exactly the kind of mistake that only shows up as a wrong footprint weeks lat
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -25,6 +26,10 @@ else:  # pragma: no cover
 ENV_PREFIX = "KVCONN_"
 ENV_OPTION_PREFIX = "KVCONN_OPTION_"
 ENV_CONFIG_FILE = "KVCONN_CONFIG"
+#: KVCONN_* variables that belong to kvconn's tools, not to a connector configuration.
+ENV_NOT_CONFIG = frozenset(
+    {"KVCONN_REQUIRE_SERVERS", "KVCONN_MOONCAKE_MASTER", "KVCONN_MOONCAKE_CLIENT"}
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,12 @@ class ConnectorConfig:
             or (self.staging_bytes < 1)
         ):
             raise ConfigError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
-        if not isinstance(self.retry_interval_s, (int, float)) or self.retry_interval_s < 0:
+        if (
+            isinstance(self.retry_interval_s, bool)
+            or not isinstance(self.retry_interval_s, (int, float))
+            or not math.isfinite(self.retry_interval_s)
+            or self.retry_interval_s < 0
+        ):
             raise ConfigError(
                 f"retry_interval_s must be a number >= 0, got {self.retry_interval_s!r}"
             )
@@ -97,12 +107,18 @@ class ConnectorConfig:
         data["options"] = dict(data.get("options", {}))
         if env.get(ENV_CONFIG_FILE):
             loaded = load_toml(env[ENV_CONFIG_FILE])
-            options = {**data["options"], **loaded.pop("options", {})}
+            file_options = loaded.pop("options", {})
+            if not isinstance(file_options, Mapping):
+                raise ConfigError(
+                    f"{env[ENV_CONFIG_FILE]}: options must be a table, "
+                    f"got {type(file_options).__name__}"
+                )
+            options = {**data["options"], **file_options}
             data.update(loaded)
             data["options"] = options
         names = {f.name for f in fields(cls)} - {"options"}
         for var, raw in env.items():
-            if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE or var in ENV_NOT_CONFIG:
                 continue
             if var.startswith(ENV_OPTION_PREFIX):
                 data["options"][var[len(ENV_OPTION_PREFIX) :].lower()] = _literal(raw)

@@ -267,7 +267,9 @@ def _strided_overlap(a: Region, b: Region) -> bool:
     """Whether any slot of ``a`` shares a byte with any slot of ``b`` (same pool)."""
     if a.end <= b.base or b.end <= a.base:
         return False
-    if a.stride == b.stride and a.stride > 0:
+    # The analytic path assumes no slot is longer than the stride, which only a
+    # one-slot region may violate; such pairs take the exact interval check.
+    if a.stride == b.stride and a.stride >= max(a.size, b.size):
         # Slot i of a vs slot j of b: they overlap iff -b.size < (b.base - a.base) + k*s
         # < a.size with k = j - i. Both sizes are <= s, so only k near the crossing can.
         s = a.stride

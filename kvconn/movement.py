@@ -115,7 +115,8 @@ class PageMover:
                     words,
                     (num_slots, run.count, run.size // width),
                     (run.stride // width, run.step // width, 1),
-                    run.base // width,
+                    # as_strided offsets count from the storage, not from the view
+                    words.storage_offset() + run.base // width,
                 )
             )
 

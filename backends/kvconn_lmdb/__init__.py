@@ -104,6 +104,10 @@ class LmdbBackend(Backend):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if os.getpid() != self._key[0]:
+            # Inherited across fork: closing would drop the parent's LMDB locks (they
+            # are per process and per file), so the child only forgets the handle.
+            return
         with _OPEN_LOCK:
             env, count = _OPEN[self._key]
             if count > 1:
@@ -127,7 +131,11 @@ class LmdbBackend(Backend):
             with env.begin(buffers=True) as txn:
                 return fn(txn)
         except self._lmdb.MapResizedError:
-            env.set_mapsize(0)  # another process grew the map: adopt its size
+            pass  # another process grew the map: adopt its size and read again
+        except self._lmdb.Error as exc:
+            raise BackendError(f"lmdb: read failed in {self.path}: {exc}") from exc
+        try:
+            env.set_mapsize(0)
             with env.begin(buffers=True) as txn:
                 return fn(txn)
         except self._lmdb.Error as exc:
@@ -171,6 +179,12 @@ class LmdbBackend(Backend):
                 raise self._write_error(exc, sum(v.nbytes for v in values)) from exc
 
     def _grow(self, env: Any, batch_bytes: int) -> None:
+        try:
+            self._grow_map(env, batch_bytes)
+        except self._lmdb.Error as exc:
+            raise self._write_error(exc, batch_bytes) from exc
+
+    def _grow_map(self, env: Any, batch_bytes: int) -> None:
         current = env.info()["map_size"]
         target = max(current * _GROWTH, current + 2 * batch_bytes)
         if self._max_map_size is not None:
