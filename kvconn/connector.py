@@ -9,7 +9,10 @@ It applies DESIGN.md's rules in one place:
 * load fills this rank's pool slots with its own shard's pages and the replicated ones,
   and reports the first block that failed and every later one (rule 5);
 * backend errors become misses and dropped saves, counted and logged, never exceptions
-  into the serving loop (rule 6).
+  into the serving loop (rule 6);
+* the first save that reaches the store also puts the layout manifest of every page kind
+  (one batched put, after the save's pages), so ``kvconn inspect`` can tell which roles a
+  page holds; a failure there is retried on a later save and is never a dropped page.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import torch
 
 from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
-from kvconn.errors import BackendError, ConfigError, LayoutError
+from kvconn.errors import BackendError, ConfigError, InvalidKeyError, LayoutError
 from kvconn.hashing import DIGEST_SIZE
-from kvconn.keys import key_prefix
+from kvconn.keys import key_prefix, manifest_key, page_key
 from kvconn.layout import KvLayout, shard_position
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import (
@@ -105,10 +108,19 @@ class Connector:
         self.plans: tuple[PagePlan, ...] = plan_pages(layout)
         self.shares: tuple[RankShare, ...] = rank_shares(layout, self.plans, rank)
         self.prefix = key_prefix(config.namespace, config.model)
+        # One manifest per page kind (two plans never share a group and fingerprint: the
+        # fingerprint hashes the class). Put once, lazily, by the first save that
+        # reaches the store; put never overwrites, so every rank doing it is harmless.
+        self._manifests: dict[str, bytes] = {
+            manifest_key(self.prefix, p.group, p.fingerprint): p.manifest.to_json()
+            for p in self.plans
+        }
+        self._manifests_stored = False
         self.stats = ConnectorStats()
         self.backend = (
             backend if backend is not None else load_backend(config.backend, config.options)
         )
+        self._check_key_length()
         self._down_until = 0.0
         self._down = False
         self._movers: list[PageMover] | None = None
@@ -119,6 +131,32 @@ class Connector:
         self._staging = Staging(self.backend, pin=self._device.type == "cuda")
 
     # ------------------------------------------------------------------ setup
+    def _check_key_length(self) -> None:
+        """Fail at start-up if some key would exceed the backend's limit.
+
+        Otherwise every call would raise ``InvalidKeyError`` inside ``_call`` and read
+        as a store outage: the cache silently never works and the log blames the store.
+        """
+        longest_hash = b"\xff" * DIGEST_SIZE
+        keys = [
+            page_key(
+                self.prefix,
+                plan.shard_class.component(plan.shard_class.shard_count - 1),
+                plan.group,
+                plan.fingerprint,
+                longest_hash,
+            )
+            for plan in self.plans
+        ]
+        longest = max([*keys, *self._manifests], key=len)
+        limit = self.backend.max_key_length
+        if len(longest) > limit:
+            raise ConfigError(
+                f"keys would be {len(longest)} characters, over the {self.backend.name!r} "
+                f"backend's limit of {limit}: shorten the model name ({self.config.model!r}) "
+                f"or the namespace ({self.config.namespace!r})"
+            )
+
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
         """Attach this rank's KV pool tensors (the layout's ``pool`` indices)."""
         if len(pools) != len(self.layout.pool_sizes):
@@ -216,7 +254,34 @@ class Connector:
                 self.stats.add("dropped", plan, len(part) - ok)
                 written += ok
                 dropped += len(part) - ok
+        if not self._manifests_stored:
+            self._store_manifests()
         return SaveResult(written, skipped, dropped)
+
+    def _store_manifests(self) -> None:
+        """Put every page kind's layout manifest in one batch; on failure, a later save retries.
+
+        Runs after the save's own pages, so its failure cannot cost this save a page, and
+        it is not a page: nothing is counted as written or dropped. A backend error is
+        still a backend error (counted, logged once, backed off), like any other call.
+        """
+        keys = list(self._manifests)
+        # Put from the staging buffer, like pages: a zero-copy store (Mooncake) then moves
+        # them from its registered memory instead of copying through scratch space.
+        _, view = self._staging.take(sum(len(v) for v in self._manifests.values()))
+        values: list[memoryview] = []
+        offset = 0
+        for value in self._manifests.values():
+            view[offset : offset + len(value)] = value
+            values.append(view[offset : offset + len(value)])
+            offset += len(value)
+        try:
+            stored = self._call("put", lambda: self.backend.put(keys, values))
+        except _Skipped:
+            return
+        self._manifests_stored = all(stored)
+        if not self._manifests_stored:
+            log.debug("kvconn: a layout manifest put was refused; a later save retries")
 
     def _put_pages(
         self,
@@ -314,6 +379,8 @@ class Connector:
             raise _Skipped
         try:
             result = fn()
+        except InvalidKeyError:
+            raise  # our own key is at fault, not the store: never hide it as an outage
         except Exception as exc:
             self.stats.backend_errors += 1
             self._down_until = now + self.config.retry_interval_s

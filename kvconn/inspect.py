@@ -1,10 +1,20 @@
-"""Report a store's footprint by model, shard class and layer group, from its keys alone.
+"""Report a store's footprint by model, role, shard class and layer group.
 
-Keys are ``{namespace}/{model}/{shard}/lg{group}/t{tokens}b{bytes}-{fp}/{hash}`` with
-the model URL-quoted, so a listing is enough to tell how many bytes each model keeps,
-how much of it is replicated (stored once for the whole TP group) and how much is
-sharded (``w<N>``: one page per shard). Works with backends that can list keys
-(``capabilities.listing``); the others fail with a message naming those that can.
+Page keys are ``{namespace}/{model}/{shard}/lg{group}/t{tokens}b{bytes}-{fp}/{hash}``
+with the model URL-quoted, so a listing is enough to tell how many bytes each model
+keeps, how much of it is replicated (stored once for the whole TP group) and how much is
+sharded (``w<N>``: one page per shard). Which roles (``k``, ``v``, ``index_k``,
+``latent``…) a page holds is hashed inside the fingerprint; the connector therefore
+also stores one *layout manifest* per page kind, ``{namespace}/{model}/_layout/lg{group}/
+{fingerprint}``, whose JSON value lists the roles and their bytes per page. Inspect
+reads those manifests, checks that each one hashes to its key's fingerprint, and splits
+every page kind's bytes by role (``pages x bytes_per_page``). Pages without a manifest
+(stores written before manifests existed, or a manifest evicted) are reported as
+unknown roles; an invalid manifest is flagged. Manifests are metadata, reported apart
+from page bytes.
+
+Works with backends that can list keys (``capabilities.listing``); the others fail with
+a message naming those that can.
 
     kvconn inspect                      # the default LMDB store
     kvconn inspect --path /tmp/store --json
@@ -20,13 +30,19 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from kvconn.backend import Backend
 from kvconn.errors import ConfigError
+from kvconn.keys import LAYOUT, manifest_prefix
+from kvconn.plan import ManifestError, PageManifest
 from kvconn.registry import backend_class, installed_backends, load_backend
 
 _SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
 _GROUP = re.compile(r"^lg(0|[1-9][0-9]*)$")
 _FINGERPRINT = re.compile(r"^t([1-9][0-9]*)b([1-9][0-9]*)-([0-9a-f]+)$")
 _HASH = re.compile(r"^[0-9a-f]+$")
+
+#: A manifest lists a few dozen bytes per (layer, role); a value this large is not one.
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,7 @@ class PageKey:
 
 
 def parse_key(key: str) -> PageKey | None:
-    """The parts of a kvconn page key, or ``None`` for any other key."""
+    """The parts of a kvconn page key, or ``None`` for any other key (manifests included)."""
     parts = key.split("/")
     if len(parts) != 6:
         return None
@@ -78,6 +94,52 @@ def parse_key(key: str) -> PageKey | None:
     )
 
 
+@dataclass(frozen=True)
+class ManifestKey:
+    """The parts of a layout manifest key (see :func:`kvconn.keys.manifest_key`)."""
+
+    namespace: str
+    model: str
+    group: int
+    fingerprint: str
+    prefix: str  # ``{namespace}/{model}/`` as stored (quoted)
+
+
+def parse_manifest_key(key: str) -> ManifestKey | None:
+    """The parts of a layout manifest key, or ``None`` for any other key (pages included)."""
+    parts = key.split("/")
+    if len(parts) != 5:
+        return None
+    namespace, model, marker, group, fingerprint = parts
+    m_group = _GROUP.match(group)
+    if not (namespace and model and marker == LAYOUT and m_group):
+        return None
+    if not _FINGERPRINT.match(fingerprint):
+        return None
+    return ManifestKey(
+        namespace=unquote(namespace),
+        model=unquote(model),
+        group=int(m_group.group(1)),
+        fingerprint=fingerprint,
+        prefix=f"{namespace}/{model}/",
+    )
+
+
+@dataclass
+class Manifest:
+    """A layout manifest found in the store, and what reading it gave."""
+
+    key: str
+    size: int
+    listed: bool  # under the inspected prefix: counted in the store's keys and bytes
+    manifest: PageManifest | None = None  # set when read and valid for its key
+    problem: str | None = None  # why it cannot be used (set when read and invalid)
+
+    @property
+    def read(self) -> bool:
+        return self.manifest is not None or self.problem is not None
+
+
 @dataclass
 class Row:
     """Pages of one (namespace, model, shard class, layer group, page geometry)."""
@@ -89,17 +151,29 @@ class Row:
     size_mismatches: int = 0  # stored value size differs from the key's b<bytes>
 
 
+ManifestIdent = tuple[str, str, int, str]  # namespace, model, layer group, fingerprint
+
+
 @dataclass
 class Footprint:
     rows: dict[tuple[str, str, str, int, str], Row] = field(default_factory=dict)
+    manifests: dict[ManifestIdent, Manifest] = field(default_factory=dict)
+    prefixes: dict[tuple[str, str], str] = field(default_factory=dict)  # stored key prefix
     other_keys: int = 0
     other_bytes: int = 0
 
-    def add(self, key: str, size: int) -> None:
+    def add(self, key: str, size: int, *, listed: bool = True) -> None:
+        """Count one listed key; ``listed=False`` records a manifest found outside the prefix."""
         page = parse_key(key)
         if page is None:
-            self.other_keys += 1
-            self.other_bytes += size
+            mkey = parse_manifest_key(key)
+            if mkey is not None:
+                mident = (mkey.namespace, mkey.model, mkey.group, mkey.fingerprint)
+                self.manifests.setdefault(mident, Manifest(key, size, listed))
+                self.prefixes.setdefault((mkey.namespace, mkey.model), mkey.prefix)
+            elif listed:
+                self.other_keys += 1
+                self.other_bytes += size
             return
         ident = (page.namespace, page.model, page.shard_class, page.group, page.fingerprint)
         row = self.rows.setdefault(ident, Row())
@@ -109,11 +183,61 @@ class Footprint:
         row.blocks.add(page.block_hash)
         if size != page.page_bytes:
             row.size_mismatches += 1
+        if (page.namespace, page.model) not in self.prefixes:
+            self.prefixes[(page.namespace, page.model)] = key[: _nth_slash(key, 2) + 1]
+
+    def set_manifest_value(self, key: str, value: bytes | None) -> None:
+        """Record what reading a manifest gave; ``None``: it could not be read."""
+        mkey = parse_manifest_key(key)
+        if mkey is None:
+            raise ValueError(f"{key!r} is not a layout manifest key")
+        entry = self.manifests.get((mkey.namespace, mkey.model, mkey.group, mkey.fingerprint))
+        if entry is None:
+            raise ValueError(f"{key!r} was not listed")
+        entry.manifest, entry.problem = None, None
+        if value is None:
+            entry.problem = "could not be read (evicted or failed since it was listed)"
+            return
+        try:
+            manifest = PageManifest.from_json(value)
+        except ManifestError as exc:
+            entry.problem = f"unreadable: {exc}"
+            return
+        if manifest.fingerprint != mkey.fingerprint:
+            entry.problem = (
+                f"its JSON hashes to {manifest.fingerprint}, not to the key's fingerprint "
+                f"{mkey.fingerprint}: it does not describe these pages"
+            )
+            return
+        entry.manifest = manifest
+
+    def model_prefixes(self) -> list[str]:
+        """The stored ``{namespace}/{model}/`` prefix of every model with pages or manifests."""
+        return sorted(set(self.prefixes.values()))
+
+    def _row_roles(
+        self, namespace: str, model: str, cls: str, group: int, fingerprint: str
+    ) -> tuple[str, PageManifest | None, str | None]:
+        """(status, manifest, problem) for one row: ``ok``, ``missing`` or ``invalid``."""
+        entry = self.manifests.get((namespace, model, group, fingerprint))
+        if entry is None or not entry.read:
+            return "missing", None, None
+        if entry.manifest is None:
+            return "invalid", None, entry.problem
+        if entry.manifest.shard_class != cls:
+            return (
+                "invalid",
+                None,
+                f"the manifest describes a {entry.manifest.shard_class} page, "
+                f"these page keys are {cls}",
+            )
+        return "ok", entry.manifest, None
 
     def as_dict(self) -> dict[str, Any]:
         models: dict[tuple[str, str], dict[str, Any]] = {}
-        for (namespace, model, cls, group, fingerprint), row in sorted(self.rows.items()):
-            entry = models.setdefault(
+
+        def model_entry(namespace: str, model: str) -> dict[str, Any]:
+            return models.setdefault(
                 (namespace, model),
                 {
                     "namespace": namespace,
@@ -122,14 +246,33 @@ class Footprint:
                     "bytes": 0,
                     "replicated_bytes": 0,
                     "sharded_bytes": 0,
+                    "role_bytes": {},
+                    "unknown_role_bytes": 0,
+                    "manifest_keys": 0,
+                    "manifest_bytes": 0,
+                    "invalid_manifests": [],
                     "classes": [],
                 },
             )
+
+        for (namespace, model, cls, group, fingerprint), row in sorted(self.rows.items()):
+            entry = model_entry(namespace, model)
             entry["pages"] += row.pages
             entry["bytes"] += row.bytes
             entry["replicated_bytes" if cls == "replicated" else "sharded_bytes"] += row.bytes
             m = _FINGERPRINT.match(fingerprint)
             assert m is not None
+            status, manifest, problem = self._row_roles(namespace, model, cls, group, fingerprint)
+            roles: dict[str, dict[str, int]] | None = None
+            if manifest is not None:
+                roles = {
+                    name: {"bytes_per_page": per_page, "bytes": row.pages * per_page}
+                    for name, per_page in sorted(manifest.role_bytes.items())
+                }
+                for name, r in roles.items():
+                    entry["role_bytes"][name] = entry["role_bytes"].get(name, 0) + r["bytes"]
+            else:
+                entry["unknown_role_bytes"] += row.bytes
             entry["classes"].append(
                 {
                     "shard_class": cls,
@@ -142,22 +285,89 @@ class Footprint:
                     "blocks": len(row.blocks),
                     "shards_present": len(row.shards),
                     "size_mismatches": row.size_mismatches,
+                    "manifest": status,
+                    "manifest_problem": problem,
+                    "roles": roles,
                 }
             )
+        for (namespace, model, group, fingerprint), man in sorted(self.manifests.items()):
+            if not man.listed and (namespace, model) not in models:
+                continue
+            entry = model_entry(namespace, model)
+            if man.listed:
+                entry["manifest_keys"] += 1
+                entry["manifest_bytes"] += man.size
+            if man.problem is not None:
+                entry["invalid_manifests"].append(
+                    {
+                        "key": man.key,
+                        "layer_group": group,
+                        "fingerprint": fingerprint,
+                        "problem": man.problem,
+                    }
+                )
+        for entry in models.values():
+            entry["role_bytes"] = dict(sorted(entry["role_bytes"].items()))
+        listed = [m for m in self.manifests.values() if m.listed]
+        page_keys = sum(r.pages for r in self.rows.values())
+        page_bytes = sum(r.bytes for r in self.rows.values())
         return {
-            "keys": sum(r.pages for r in self.rows.values()) + self.other_keys,
-            "bytes": sum(r.bytes for r in self.rows.values()) + self.other_bytes,
-            "models": list(models.values()),
+            "keys": page_keys + len(listed) + self.other_keys,
+            "bytes": page_bytes + sum(m.size for m in listed) + self.other_bytes,
+            "models": [models[k] for k in sorted(models)],
+            "manifest_keys": len(listed),
+            "manifest_bytes": sum(m.size for m in listed),
             "other_keys": self.other_keys,
             "other_bytes": self.other_bytes,
         }
 
 
-def footprint(entries: Iterable[tuple[str, int]]) -> Footprint:
+def _nth_slash(key: str, n: int) -> int:
+    at = -1
+    for _ in range(n):
+        at = key.index("/", at + 1)
+    return at
+
+
+def footprint(
+    entries: Iterable[tuple[str, int]], manifests: Mapping[str, bytes | None] | None = None
+) -> Footprint:
+    """The footprint of listed ``(key, size)`` entries; ``manifests`` maps manifest keys
+    (listed or not) to their values, as :func:`read_manifests` would fetch them."""
     fp = Footprint()
     for key, size in entries:
         fp.add(key, size)
+    for key, value in (manifests or {}).items():
+        fp.add(key, len(value) if value is not None else 0, listed=False)
+        fp.set_manifest_value(key, value)
     return fp
+
+
+def read_manifests(fp: Footprint, backend: Backend, prefix: str = "") -> None:
+    """Fetch the layout manifests of every model in ``fp`` with one batched ``get``.
+
+    Manifests under ``prefix`` came with the listing; for a model whose ``_layout/``
+    keys lie outside it (``--prefix kvconn/m/w8r0/``) they are listed here, for the role
+    breakdown only: they are not counted among the inspected keys.
+    """
+    for model_prefix in fp.model_prefixes():
+        where = manifest_prefix(model_prefix)
+        if not where.startswith(prefix):
+            for key, size in backend.list_keys(where):
+                fp.add(key, size, listed=False)
+    todo = [m for m in fp.manifests.values() if not m.read]
+    for m in todo:
+        if m.size > MAX_MANIFEST_BYTES:
+            m.problem = f"{m.size} bytes: too large to be a layout manifest"
+        elif m.size == 0:
+            m.problem = "empty value"
+    todo = [m for m in todo if not m.read]
+    if not todo:
+        return
+    buffers = [bytearray(m.size) for m in todo]
+    ok = backend.get([m.key for m in todo], buffers)
+    for m, buf, good in zip(todo, buffers, ok):
+        fp.set_manifest_value(m.key, bytes(buf) if good else None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,7 +409,9 @@ def run(args: argparse.Namespace) -> int:
     if not prefix and args.namespace:
         prefix = f"{args.namespace}/"
     with load_backend(name, settings["options"]) as backend:
-        result = footprint(backend.list_keys(prefix)).as_dict()
+        fp = footprint(backend.list_keys(prefix))
+        read_manifests(fp, backend, prefix)
+        result = fp.as_dict()
         result["backend"] = name
         path = getattr(backend, "path", None)
         result["store"] = f"{name} at {path}" if path is not None else name
@@ -215,6 +427,14 @@ def _human(n: float) -> str:
     from kvconn.simulate.report import human_bytes
 
     return human_bytes(n)
+
+
+def _roles_text(c: Mapping[str, Any]) -> str:
+    if c["roles"] is not None:
+        return ", ".join(f"{name} {_human(r['bytes'])}" for name, r in c["roles"].items())
+    if c["manifest"] == "invalid":
+        return "unknown (invalid manifest)"
+    return "unknown (no manifest)"
 
 
 def format_footprint(result: Mapping[str, Any]) -> str:
@@ -233,25 +453,48 @@ def format_footprint(result: Mapping[str, Any]) -> str:
             f"{_human(model['bytes'])} (replicated {model['replicated_bytes'] / total:.1%}, "
             f"sharded {model['sharded_bytes'] / total:.1%})"
         )
-        lines.append(
-            f"    {'class':<11} {'group':>5} {'tokens':>6} {'page':>11} {'blocks':>8} "
-            f"{'shards':>6} {'pages':>9} {'bytes':>12}"
-        )
+        by_role = [
+            f"{name} {_human(n)} ({n / total:.1%})" for name, n in model["role_bytes"].items()
+        ]
+        if model["unknown_role_bytes"]:
+            n = model["unknown_role_bytes"]
+            by_role.append(f"unknown roles {_human(n)} ({n / total:.1%})")
+        if by_role:
+            lines.append(f"    by role: {', '.join(by_role)}")
+        if model["classes"]:
+            lines.append(
+                f"    {'class':<11} {'group':>5} {'tokens':>6} {'page':>11} {'blocks':>8} "
+                f"{'shards':>6} {'pages':>9} {'bytes':>12}  roles"
+            )
         for c in model["classes"]:
             lines.append(
                 f"    {c['shard_class']:<11} {'lg' + str(c['layer_group']):>5} "
                 f"{c['tokens_per_block']:>6} {_human(c['page_bytes']):>11} {c['blocks']:>8,} "
-                f"{c['shards_present']:>6} {c['pages']:>9,} {_human(c['bytes']):>12}"
+                f"{c['shards_present']:>6} {c['pages']:>9,} {_human(c['bytes']):>12}  "
+                f"{_roles_text(c)}"
             )
             if c["size_mismatches"]:
                 lines.append(
                     f"      {c['size_mismatches']} value(s) whose size differs from the key's "
                     f"{c['page_bytes']} bytes: they will fail to load"
                 )
+            if c["manifest"] == "invalid" and c["manifest_problem"]:
+                lines.append(f"      invalid layout manifest: {c['manifest_problem']}")
+        if model["manifest_keys"]:
+            lines.append(
+                f"    {model['manifest_keys']:,} layout manifest(s), "
+                f"{_human(model['manifest_bytes'])}: metadata, not counted as page bytes"
+            )
+        shown = {
+            (c["layer_group"], c["fingerprint"]) for c in model["classes"] if c["manifest_problem"]
+        }
+        for bad in model["invalid_manifests"]:
+            if (bad["layer_group"], bad["fingerprint"]) not in shown:
+                lines.append(f"    invalid layout manifest {bad['key']}: {bad['problem']}")
     if result["other_keys"]:
         lines.append("")
         lines.append(
             f"  {result['other_keys']:,} other key(s), {_human(result['other_bytes'])}: "
-            "not kvconn page keys"
+            "not kvconn page keys or layout manifests"
         )
     return "\n".join(lines)

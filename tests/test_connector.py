@@ -7,11 +7,13 @@ import torch
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import ConfigError
+from kvconn.errors import BackendUnavailable, ConfigError
 from kvconn.hashing import ReuseScope, block_hashes
+from kvconn.inspect import parse_key, parse_manifest_key
+from kvconn.keys import LAYOUT
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
 from kvconn.models import RoleSpec, interleaved_layout, minimax_m3
-from kvconn.plan import WriterPolicy, share_key
+from kvconn.plan import PageManifest, WriterPolicy, share_key
 from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group
 
@@ -27,6 +29,36 @@ def store():
 
 def save_all(group, hashes=HASHES, slots=SLOTS):
     return [c.save(hashes, slots) for c in group]
+
+
+def page_values(store):
+    """The stored pages, without the layout manifests (metadata, not page bytes)."""
+    return {k: v for k, v in store.data.items() if parse_manifest_key(k) is None}
+
+
+def manifest_values(store):
+    return {k: v for k, v in store.data.items() if parse_manifest_key(k) is not None}
+
+
+class RecordingStore(DictBackend):
+    """Records the keys of every put; can fail or refuse the layout manifests' puts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_batches: list[list[str]] = []
+        self.manifests_fail: str | None = None  # "raise" (backend down) or "refuse"
+
+    def _put(self, keys, values):
+        self.put_batches.append(list(keys))
+        if self.manifests_fail and any(f"/{LAYOUT}/" in k for k in keys):
+            self.calls.append(("put", len(keys)))
+            if self.manifests_fail == "raise":
+                raise BackendUnavailable("dict store is down")
+            return [False] * len(keys)
+        return super()._put(keys, values)
+
+    def manifest_batches(self) -> list[list[str]]:
+        return [b for b in self.put_batches if any(f"/{LAYOUT}/" in k for k in b)]
 
 
 def test_only_the_designated_writer_writes_the_replicated_page(store):
@@ -188,10 +220,11 @@ def test_with_4_kv_heads_at_tp8_bytes_stored_halve(store):
     )
     group = tp_group(layout, store)
     save_all(group)
-    stored = sum(len(v) for v in store.data.values())
+    pages = page_values(store)  # the layout manifest (one, ~270 B) is metadata, not pages
+    stored = sum(len(v) for v in pages.values())
     per_rank_keying = 8 * N * 2 * 2 * 256 * 32
     assert stored * 2 == per_rank_keying
-    assert sorted({k.split("/")[2] for k in store.data}) == ["w4r0", "w4r1", "w4r2", "w4r3"]
+    assert sorted({k.split("/")[2] for k in pages}) == ["w4r0", "w4r1", "w4r2", "w4r3"]
     # each pair of ranks shares its pages: one writer each
     assert sum(c.stats.pages("written") for c in group) == 4 * N
 
@@ -199,7 +232,7 @@ def test_with_4_kv_heads_at_tp8_bytes_stored_halve(store):
 def test_minimax_m3_stores_29_2_percent_fewer_bytes_than_per_rank_keying(store):
     group = tp_group(minimax_m3(tp_size=8, layers=2), store)
     save_all(group)
-    stored = sum(len(v) for v in store.data.values())
+    stored = sum(len(v) for v in page_values(store).values())
     naive = 8 * N * 2 * 768 * 32
     assert 1 - stored / naive == pytest.approx(1 - (8 * 512 + 256) / (8 * 768))
 
@@ -323,3 +356,91 @@ def test_counters_split_by_role_and_class(store):
 def test_share_keys_match_the_lookup_keys(store):
     conn = tp_group(minimax_m3(tp_size=8), store)[4]
     assert share_key(conn.prefix, conn.shares[0], HASHES[0]).split("/")[2] == "w8r4"
+
+
+# ---------------------------------------------------------------- layout manifests
+def test_each_connector_puts_every_layout_manifest_once_in_one_batch_after_its_pages():
+    store = RecordingStore()
+    group = tp_group(minimax_m3(tp_size=8), store)
+    first = group[0].save(HASHES, SLOTS)
+    assert first.written > 0
+    # the page puts of the save come first; the manifests are the save's last put
+    assert sorted(store.put_batches[-1]) == sorted(manifest_values(store))
+    assert all(f"/{LAYOUT}/" not in k for b in store.put_batches[:-1] for k in b)
+    save_all(group)
+    save_all(group, block_hashes(list(range(1000, 1000 + 32 * N)), 32))
+    batches = store.manifest_batches()
+    assert len(batches) == 8  # once per connector, not once per save
+    assert all(sorted(b) == sorted(manifest_values(store)) for b in batches)
+    assert len(manifest_values(store)) == 2  # one per page kind: lg0/w8 and lg0/replicated
+    # a connector whose first save only finds its pages stored still writes them once
+    late = tp_group(minimax_m3(tp_size=8), store)[5]
+    store.calls.clear()
+    assert late.save(HASHES, SLOTS).written == 0
+    assert store.calls == [("exists", store.calls[0][1]), ("put", 2)]
+    late.save(HASHES, SLOTS)
+    assert store.ops("put") == 1
+
+
+@pytest.mark.parametrize("failure", ["raise", "refuse"])
+def test_a_failed_manifest_write_neither_raises_nor_counts_as_dropped_and_is_retried(failure):
+    store = RecordingStore()
+    conn = tp_group(minimax_m3(tp_size=8), store)[0]  # retry_interval_s=0
+    store.manifests_fail = failure
+    result = conn.save(HASHES, SLOTS)
+    assert result.dropped == 0 and result.written > 0
+    assert conn.stats.pages("dropped") == 0
+    assert conn.stats.backend_errors == (1 if failure == "raise" else 0)
+    assert manifest_values(store) == {}
+    assert conn.lookup(HASHES[:1]).available  # the pages' store still serves
+    store.manifests_fail = None
+    again = conn.save(HASHES, SLOTS)  # everything is stored: only the manifests are put
+    assert (again.written, again.dropped) == (0, 0)
+    assert len(manifest_values(store)) == 2
+    assert len(store.manifest_batches()) == 2  # the failed attempt and the retry
+    store.calls.clear()
+    conn.save(HASHES, SLOTS)
+    assert store.ops("put") == 0  # written: never again
+
+
+def test_a_save_given_up_with_the_backend_down_does_not_write_the_manifests():
+    store = RecordingStore()
+    conn = tp_group(minimax_m3(tp_size=8), store)[0]
+    store.down = True
+    assert conn.save(HASHES, SLOTS).dropped > 0
+    assert store.put_batches == []  # the save did not reach the store: no manifest put
+    store.down = False
+    conn.save(HASHES, SLOTS)
+    assert len(manifest_values(store)) == 2
+
+
+def test_the_stored_manifest_hashes_to_the_fingerprint_in_its_page_keys(store):
+    layout = minimax_m3(tp_size=8, layers=2)
+    group = tp_group(layout, store)
+    save_all(group)
+    pages: dict[tuple[int, str, str], set[int]] = {}
+    for key, value in page_values(store).items():
+        page = parse_key(key)
+        assert page is not None
+        pages.setdefault((page.group, page.fingerprint, page.shard_class), set()).add(len(value))
+    manifests = {}
+    for key, value in manifest_values(store).items():
+        mkey = parse_manifest_key(key)
+        assert mkey is not None
+        manifest = PageManifest.from_json(value)
+        assert manifest.fingerprint == mkey.fingerprint  # the content names its own key
+        assert manifest.to_json() == value  # stored in canonical form
+        manifests[(mkey.group, mkey.fingerprint, manifest.shard_class)] = manifest
+    assert set(manifests) == set(pages)  # one manifest per page kind, none for nothing
+    for ident, manifest in manifests.items():
+        assert pages[ident] == {manifest.page_size}
+    roles = {m.shard_class: m.document()["roles"] for m in manifests.values()}
+    per_page = 2 * 256 * 32  # 2 layers x 256 B/token x 32 tokens
+    assert roles == {
+        "w8": {
+            "k": {"units": 8, "dtype": "bf16", "bytes_per_page": per_page},
+            "v": {"units": 8, "dtype": "bf16", "bytes_per_page": per_page},
+        },
+        "replicated": {"index_k": {"units": 1, "dtype": "bf16", "bytes_per_page": per_page}},
+    }
+    assert {p.manifest for p in group[0].plans} == set(manifests.values())

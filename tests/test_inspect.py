@@ -1,8 +1,10 @@
-"""`kvconn inspect`: a store's footprint by model, shard class and layer group, from keys."""
+"""`kvconn inspect`: a store's footprint by model, role, shard class and layer group."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -10,11 +12,17 @@ import pytest
 import kvconn.inspect
 from kvconn.cli import main
 from kvconn.hashing import block_hashes
-from kvconn.inspect import footprint, parse_key
-from kvconn.keys import key_prefix, page_key
+from kvconn.inspect import footprint, parse_key, parse_manifest_key
+from kvconn.keys import key_prefix, manifest_key, page_key
+from kvconn.models import PRESETS, minimax_m3
+from kvconn.plan import ManifestError, PageManifest, plan_pages
+from kvconn.registry import load_backend
 from tests.fakes import DictBackend
+from tests.helpers import tp_group
 
 HASH = block_hashes(list(range(32)), 32)[0]
+N = 6
+HASHES = block_hashes(list(range(32 * N)), 32)
 
 
 def test_a_page_key_parses_back_into_its_parts_with_the_model_unquoted():
@@ -101,11 +109,17 @@ def test_inspect_reports_what_simulate_stored(capsys, tmp_path):
     assert classes["w8"]["pages"] == 8 * replicated_pages
     assert classes["w8"]["shards_present"] == 8
     assert result["other_keys"] == 1 and result["other_bytes"] == 3
+    # every rank process wrote the layout manifests: the bytes split by role exactly
+    roles = model["role_bytes"]
+    assert roles == report["bytes_written_by_role"]
+    assert roles["k"] == roles["v"] == 8 * roles["index_k"]
+    assert model["unknown_role_bytes"] == 0 and model["manifest_keys"] == 2
 
     assert main(["inspect", "--path", store]) == 0
     text = capsys.readouterr().out
     assert "kvconn/minimax-m3" in text and "replicated" in text and "w8" in text
     assert "1 other key(s)" in text
+    assert "by role: index_k" in text
 
 
 def test_inspect_of_an_empty_store_says_so(capsys, tmp_path):
@@ -120,3 +134,215 @@ def test_a_backend_that_cannot_list_gets_a_clear_error(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "'dict' backend cannot list its keys" in err
     assert "backends that can: lmdb, redis" in err
+
+
+# ---------------------------------------------------------------- roles, from manifests
+def write_minimax_store(path: Path) -> None:
+    """MiniMax-M3 at TP=8, 2 layers, N blocks saved by all 8 ranks into a real LMDB."""
+    backend = load_backend("lmdb", {"path": str(path)})
+    try:
+        for conn in tp_group(minimax_m3(tp_size=8, layers=2), backend, model="minimax-m3"):
+            assert conn.save(HASHES, list(range(N))).dropped == 0
+    finally:
+        backend.close()
+
+
+def rewrite(path: Path, edit) -> None:
+    """Apply ``edit(txn)`` to the LMDB store directly, as another tool or an old kvconn would."""
+    env = lmdb.open(str(path), subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            edit(txn)
+    finally:
+        env.close()
+
+
+def manifest_items(txn) -> list[tuple[bytes, bytes]]:
+    return [(k, bytes(v)) for k, v in txn.cursor() if parse_manifest_key(k.decode())]
+
+
+def inspect_json(capsys, path: Path, *extra: str) -> dict[str, Any]:
+    assert main(["inspect", "--path", str(path), "--json", *extra]) == 0
+    result: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_inspect_reports_bytes_per_role_for_minimax_m3(capsys, tmp_path):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    per_page = 2 * 256 * 32  # each role: 2 layers x 256 B/token x 32 tokens in one page
+    k = N * 8 * per_page  # 8 head shards, one page each per block: 786,432 B
+    index_k = N * per_page  # replicated: one page per block, stored once: 98,304 B
+
+    result = inspect_json(capsys, store)
+    (model,) = result["models"]
+    assert model["role_bytes"] == {"index_k": index_k, "k": k, "v": k}
+    assert k == 8 * index_k  # index-K is 1/8th of K (and of V), 1/17th of the total
+    assert model["unknown_role_bytes"] == 0
+    assert model["bytes"] == 2 * k + index_k == 1_671_168
+    classes = {c["shard_class"]: c for c in model["classes"]}
+    assert classes["w8"]["manifest"] == classes["replicated"]["manifest"] == "ok"
+    assert classes["w8"]["roles"] == {
+        "k": {"bytes_per_page": per_page, "bytes": k},
+        "v": {"bytes_per_page": per_page, "bytes": k},
+    }
+    assert classes["replicated"]["roles"] == {
+        "index_k": {"bytes_per_page": per_page, "bytes": index_k}
+    }
+    # the manifests are metadata: counted as keys of the store, never as page bytes
+    manifest_bytes = sum(
+        len(p.manifest.to_json()) for p in plan_pages(minimax_m3(tp_size=8, layers=2))
+    )
+    assert (model["manifest_keys"], model["manifest_bytes"]) == (2, manifest_bytes)
+    assert (result["manifest_keys"], result["manifest_bytes"]) == (2, manifest_bytes)
+    assert result["keys"] == model["pages"] + 2 and result["other_keys"] == 0
+    assert result["bytes"] == model["bytes"] + manifest_bytes
+
+    # a prefix that leaves the manifests out still gets the roles, without counting them
+    shard0 = inspect_json(capsys, store, "--prefix", "kvconn/minimax-m3/w8r0/")
+    (model,) = shard0["models"]
+    assert model["role_bytes"] == {"k": N * per_page, "v": N * per_page}
+    assert model["manifest_keys"] == 0 and shard0["keys"] == N
+
+    assert main(["inspect", "--path", str(store)]) == 0
+    text = capsys.readouterr().out
+    assert "by role: index_k 96.00 KiB (5.9%), k 768.00 KiB (47.1%), v 768.00 KiB (47.1%)" in text
+    assert "k 768.00 KiB, v 768.00 KiB" in text  # the w8 row
+    assert "2 layout manifest(s)" in text and "not counted as page bytes" in text
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        # self-consistent, but says index-K is fp8: not what these pages' key hashes
+        (lambda doc: doc["roles"]["index_k"].update(dtype="fp8_e4m3"), "hashes to"),
+        (lambda doc: doc.update(page_size=doc["page_size"] + 1), "page_size"),
+        (lambda doc: doc["regions"].pop(), "page_size 16384, the regions give 8192"),
+        (lambda doc: "not json {", "not JSON"),
+    ],
+    ids=["other-meaning", "wrong-page-size", "missing-region", "not-json"],
+)
+def test_a_manifest_whose_json_does_not_match_its_fingerprint_is_flagged(
+    capsys, tmp_path, edit, problem
+):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+
+    def corrupt(txn):
+        (key, value), *_ = [
+            (k, v) for k, v in manifest_items(txn) if json.loads(v)["shard_class"] == "replicated"
+        ]
+        doc = json.loads(value)
+        changed = edit(doc)
+        txn.put(key, (changed if isinstance(changed, str) else json.dumps(doc)).encode())
+
+    rewrite(store, corrupt)
+    result = inspect_json(capsys, store)
+    (model,) = result["models"]
+    classes = {c["shard_class"]: c for c in model["classes"]}
+    bad = classes["replicated"]
+    assert bad["manifest"] == "invalid" and bad["roles"] is None
+    assert problem in bad["manifest_problem"]
+    assert model["unknown_role_bytes"] == bad["bytes"]  # its bytes are not guessed
+    assert "index_k" not in model["role_bytes"]
+    assert classes["w8"]["manifest"] == "ok"  # the other page kind is unaffected
+    (flagged,) = model["invalid_manifests"]
+    assert flagged["fingerprint"] == bad["fingerprint"] and problem in flagged["problem"]
+
+    assert main(["inspect", "--path", str(store)]) == 0
+    text = capsys.readouterr().out
+    assert "unknown (invalid manifest)" in text and "invalid layout manifest" in text
+
+
+def test_a_store_without_manifests_still_reports_its_pages_as_unknown_roles(capsys, tmp_path):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    before = inspect_json(capsys, store)
+
+    def drop_manifests(txn):  # a store written before manifests existed
+        for key, _ in manifest_items(txn):
+            txn.delete(key)
+
+    rewrite(store, drop_manifests)
+    result = inspect_json(capsys, store)
+    (model,) = result["models"]
+    (had,) = before["models"]
+    assert (model["pages"], model["bytes"]) == (had["pages"], had["bytes"])
+    assert model["role_bytes"] == {} and model["unknown_role_bytes"] == model["bytes"]
+    assert {c["manifest"] for c in model["classes"]} == {"missing"}
+    assert all(c["roles"] is None for c in model["classes"])
+    assert model["manifest_keys"] == 0 and model["invalid_manifests"] == []
+
+    assert main(["inspect", "--path", str(store)]) == 0
+    text = capsys.readouterr().out
+    assert "unknown roles 1.59 MiB (100.0%)" in text and "unknown (no manifest)" in text
+
+
+def test_manifest_keys_and_page_keys_are_never_taken_for_each_other():
+    prefix = key_prefix("ns", "Org/Model-FP8 v2")
+    mkey = manifest_key(prefix, 1, "t32b16384-abcdef")
+    assert mkey == "ns/Org%2FModel-FP8%20v2/_layout/lg1/t32b16384-abcdef"
+    assert parse_key(mkey) is None
+    parsed = parse_manifest_key(mkey)
+    assert parsed is not None
+    assert (parsed.namespace, parsed.model, parsed.group) == ("ns", "Org/Model-FP8 v2", 1)
+    assert parsed.fingerprint == "t32b16384-abcdef"
+    for component in ("replicated", "w8r0"):
+        assert parse_manifest_key(page_key(prefix, component, 1, "t32b16384-abcdef", HASH)) is None
+    for lookalike in (
+        "ns/m/_layout/lg1/t32b8-ab/00",  # six segments: neither
+        "ns/m/_layouts/lg1/t32b8-ab",
+        "ns/m/_layout/g1/t32b8-ab",
+        "ns/m/_layout/lg1/32b8-ab",
+        "/m/_layout/lg1/t32b8-ab",
+    ):
+        assert parse_key(lookalike) is None and parse_manifest_key(lookalike) is None
+    # a manifest in a listing is metadata: neither a page nor an "other" key
+    fp = footprint([(mkey, 300)])
+    assert (fp.rows, fp.other_keys) == ({}, 0)
+    assert fp.as_dict()["manifest_keys"] == 1
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("tp", [1, 8])
+def test_a_manifest_reads_back_into_the_page_kind_it_describes(preset, tp):
+    for plan in plan_pages(PRESETS[preset].layout(tp_size=tp, layers=3)):
+        value = plan.manifest.to_json()
+        back = PageManifest.from_json(value)
+        assert back == plan.manifest and back.fingerprint == plan.fingerprint
+        doc = json.loads(value)
+        assert doc["page_size"] == plan.page_size
+        assert doc["shard_class"] == plan.shard_class.label
+        assert {n: r["bytes_per_page"] for n, r in doc["roles"].items()} == dict(plan.role_bytes)
+
+
+def test_fingerprints_of_existing_stores_do_not_change():
+    # Pages already stored are found only under the same fingerprint: deriving it from
+    # the manifest must not change it (values computed before manifests existed).
+    plans = plan_pages(minimax_m3(tp_size=8, layers=2))
+    assert [p.fingerprint for p in plans] == ["t32b32768-6a45e8410a9d", "t32b16384-251df671913d"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(version=2), "version 2"),
+        (lambda d: d.update(num_shards=4), "num_shards"),
+        (lambda d: d.update(shard_class="replicated", num_shards=1), "units 1"),
+        (lambda d: d.update(extra=1), "unknown ['extra']"),
+        (lambda d: d["roles"]["k"].update(units=True), "k.units"),
+        (lambda d: d["regions"].append([0, "latent", 4]), "declared role"),
+        (lambda d: d["regions"].append([0, ["k"], 4]), "declared role"),
+        (lambda d: d.update(num_shards=True), "num_shards must be an integer"),
+        (
+            lambda d: d["roles"].update(q={"units": 8, "dtype": "bf16", "bytes_per_page": 0}),
+            "have no region",
+        ),
+    ],
+)
+def test_an_inconsistent_manifest_is_refused_with_the_reason(edit, message):
+    plan = plan_pages(minimax_m3(tp_size=8, layers=1))[0]
+    doc = json.loads(plan.manifest.to_json())
+    edit(doc)
+    with pytest.raises(ManifestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        PageManifest.from_json(json.dumps(doc))

@@ -1,0 +1,152 @@
+"""Defects an adversarial review found, each pinned by the rule it broke.
+
+Pools that are views into a larger allocation, one-slot regions longer than their
+stride, configuration holes, and keys too long for the backend: all fixed, kept here so
+they stay fixed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.errors import ConfigError, LayoutError
+from kvconn.hashing import block_hashes
+from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.movement import PageMover, flat_bytes
+from tests.fakes import DictBackend
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_rejects_overlapping_single_slot_regions_whose_size_exceeds_their_stride():
+    """A one-slot region's stride is free (Region allows stride < size when num_slots == 1).
+
+    Bytes 50..60 belong to both regions, yet the equal-stride shortcut in
+    ``_strided_overlap`` only tries k in [k0-1, k0+2] (here -6..-3) while the only
+    existing slot pair is k == 0, so the overlap is never examined.
+    """
+    roles = (Role("k", 1, "bf16"), Role("v", 1, "bf16"))
+    group = LayerGroup(
+        0,
+        1,
+        (
+            Region("k", 0, base=0, size=100, stride=10, num_slots=1),
+            Region("v", 0, base=50, size=10, stride=10, num_slots=1),
+        ),
+    )
+    with pytest.raises(LayoutError, match="overlaps"):
+        KvLayout(1, 16, roles, (group,), (256,))
+
+
+def test_layout_rejects_a_single_slot_region_that_covers_slots_of_another_group():
+    """Group 0 (1 slot, bytes 0..100) swallows slots 0..2 of group 1 (bytes 50..80)."""
+    roles = (Role("k", 1, "bf16"), Role("v", 1, "bf16"))
+    g0 = LayerGroup(0, 1, (Region("k", 0, base=0, size=100, stride=10, num_slots=1),))
+    g1 = LayerGroup(1, 3, (Region("v", 1, base=50, size=10, stride=10, num_slots=3),))
+    with pytest.raises(LayoutError, match="overlaps"):
+        KvLayout(1, 16, roles, (g0, g1), (256,))
+
+
+# --------------------------------------------------------------------------- movement
+
+
+@pytest.mark.parametrize("offset", [8, 3], ids=["aligned-offset", "odd-offset"])
+def test_gather_reads_the_addressed_slot_of_a_pool_that_is_a_view_with_storage_offset(offset):
+    """Pools that are slices of a larger allocation (one arena, per-layer views) must work:
+    region bases are relative to the pool, but ``as_strided``'s storage_offset is absolute."""
+    arena = torch.arange(128, dtype=torch.uint8)
+    pool = arena[offset : offset + 64]
+    region = Region("k", 0, base=0, size=4, stride=8, num_slots=8)
+    mover = PageMover([region], [flat_bytes(pool)], 8)
+    out = torch.empty(1, 4, dtype=torch.uint8)
+    mover.gather(torch.tensor([1]), out)
+    assert out[0].tolist() == pool[8:12].tolist()
+
+
+@pytest.mark.parametrize("offset", [8, 3], ids=["aligned-offset", "odd-offset"])
+def test_scatter_writes_only_the_addressed_slot_inside_a_pool_view_with_storage_offset(offset):
+    arena = torch.zeros(128, dtype=torch.uint8)
+    pool = arena[offset : offset + 64]
+    region = Region("k", 0, base=0, size=4, stride=8, num_slots=8)
+    mover = PageMover([region], [flat_bytes(pool)], 8)
+    mover.scatter(torch.tensor([2]), torch.full((1, 4), 7, dtype=torch.uint8))
+    written = arena.nonzero().flatten().tolist()
+    assert written == [offset + 16 + i for i in range(4)]
+
+
+def test_connector_round_trips_pages_between_pools_that_are_slices_of_one_allocation():
+    """End to end through register_pools: save from a sliced pool, load into another
+    sliced pool; the loaded slots must equal the saved ones and the arena outside the
+    pool must stay untouched (no writes into a neighbouring layer's memory)."""
+    roles = (Role("k", 1, "bf16"), Role("v", 1, "bf16"))
+    regions = (
+        Region("k", 0, base=0, size=8, stride=16, num_slots=4),
+        Region("v", 0, base=8, size=8, stride=16, num_slots=4),
+    )
+    layout = KvLayout(1, 4, roles, (LayerGroup(0, 4, regions),), (64,))
+    config = ConnectorConfig(model="m", backend="dict", retry_interval_s=0)
+    backend = DictBackend()
+    hashes = block_hashes(list(range(8)), 4)  # 2 full blocks
+
+    src_arena = torch.randint(0, 256, (256,), dtype=torch.uint8)
+    src_pool = src_arena[64:128]
+    saver = Connector(config, layout, pools=[src_pool], backend=backend)
+    assert saver.save(hashes, [1, 2]).written == 2
+
+    dst_arena = torch.zeros(256, dtype=torch.uint8)
+    dst_pool = dst_arena[64:128]
+    loader = Connector(config, layout, pools=[dst_pool], backend=backend)
+    assert loader.load(hashes, [1, 2]).ok
+    assert torch.equal(dst_pool[16:48], src_pool[16:48])
+    assert int(dst_arena[:64].count_nonzero()) == 0
+    assert int(dst_arena[128:].count_nonzero()) == 0
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "var", ["KVCONN_REQUIRE_SERVERS", "KVCONN_MOONCAKE_MASTER", "KVCONN_MOONCAKE_CLIENT"]
+)
+def test_config_from_env_tolerates_kvconn_own_non_config_variables(var):
+    """kvconn itself reads these (testing/suite.py, devserver/mooncake.py); a process that
+    has them set (any CI job running the suite) must still be configurable from env."""
+    config = ConnectorConfig.from_env({"KVCONN_MODEL": "m", var: "1"})
+    assert config.model == "m"
+
+
+def test_config_from_env_reports_non_table_options_in_the_config_file_as_a_config_error(
+    tmp_path,
+):
+    path = tmp_path / "kvconn.toml"
+    path.write_text('model = "m"\noptions = "oops"\n')
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_env({"KVCONN_CONFIG": str(path)})
+
+
+def test_config_rejects_a_nan_retry_interval():
+    """``nan`` passes ``< 0``; with it ``now < nan`` is always false, so back-off is
+    silently disabled and a dead server costs a timeout on every request."""
+    with pytest.raises(ConfigError):
+        ConnectorConfig(model="m", retry_interval_s=math.nan)
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_env({"KVCONN_MODEL": "m", "KVCONN_RETRY_INTERVAL_S": "nan"})
+
+
+# --------------------------------------------------------------------------- connector
+
+
+def test_a_model_name_that_makes_keys_too_long_fails_fast_instead_of_reading_as_an_outage():
+    """Rule 6: bad configuration fails fast. Today every lookup/save raises
+    InvalidKeyError inside ``_call``, which is logged and counted as *backend down*:
+    the cache silently never works and the log blames the store."""
+    roles = (Role("k", 1, "bf16"),)
+    layout = KvLayout(1, 4, roles, (LayerGroup(0, 4, (Region("k", 0, 0, 16, 16, 4),)),), (64,))
+    config = ConnectorConfig(model="Org/" + "M" * 200, backend="dict")
+    with pytest.raises(ConfigError):
+        Connector(config, layout, pools=[torch.zeros(64, dtype=torch.uint8)], backend=DictBackend())
