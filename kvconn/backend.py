@@ -193,7 +193,7 @@ class Backend(ABC):
         return out
 
     def _checked_result(self, result: Sequence[bool], n: int, op: str) -> list[bool]:
-        out = [bool(x) for x in result]
+        out = list(map(bool, result))
         if len(out) != n:
             raise AssertionError(f"{self.name} backend {op} answered {len(out)} of {n} keys")
         return out
@@ -223,9 +223,12 @@ def _keys_look_valid(keys: list[str], max_length: int) -> bool:
     ``exists`` on a fast store is a ~100 µs round trip for 64 keys, so per-key Python
     checks would be a visible share of it.
     """
-    if not keys or not all(type(k) is str for k in keys):
-        return not keys
+    if not keys:
+        return True
+    try:
+        joined = "".join(keys)  # raises for anything but str: no per-key type check
+    except TypeError:
+        return False
     if min(map(len, keys)) == 0 or max(map(len, keys)) > max_length:
         return False
-    joined = "".join(keys)
     return joined.isascii() and not joined.encode().translate(None, _PRINTABLE_NO_SPACE)
