@@ -33,7 +33,6 @@ started from the main thread also get ``PR_SET_PDEATHSIG`` so they die with it.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import ctypes
 import importlib.util
@@ -54,6 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from kvconn.devserver import _live
 from kvconn.devserver._ports import free_port, log_tail, wait_for_port
 
 __all__ = ["MooncakeCluster", "add_arguments", "main", "parse_size", "run"]
@@ -177,22 +177,6 @@ def parse_size(value: str | int) -> int:
 # --------------------------------------------------------------------------- #
 # Process handling
 # --------------------------------------------------------------------------- #
-
-# Clusters with anything to clean up, so the atexit hook can stop them.
-_LIVE: set[MooncakeCluster] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def _cleanup_at_exit() -> None:
-    """Stop every cluster a test or command forgot to stop."""
-    with _LIVE_LOCK:
-        clusters = list(_LIVE)
-    for cluster in clusters:
-        with contextlib.suppress(Exception):
-            cluster.stop()
-
-
-atexit.register(_cleanup_at_exit)
 
 
 def _death_signal_hook() -> Callable[[], None] | None:
@@ -476,8 +460,7 @@ class MooncakeCluster:
             if problem is not None:
                 raise RuntimeError(f"cannot start a Mooncake cluster: {problem}")
             self._make_dir()
-            with _LIVE_LOCK:
-                _LIVE.add(self)
+            _live.track(self, self.stop)
             try:
                 self._start_master_with_retries()
                 self._storage = []
@@ -504,8 +487,7 @@ class MooncakeCluster:
             if self._dir is not None and self._user_log_dir is None:
                 shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-            with _LIVE_LOCK:
-                _LIVE.discard(self)
+            _live.untrack(self)
 
     def kill_master(self) -> None:
         """SIGKILL the master (and its metadata server); storage processes live on.

@@ -16,7 +16,6 @@ in their own session until killed by hand.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import re
@@ -25,13 +24,13 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, TypeAlias
 
+from kvconn.devserver import _live
 from kvconn.devserver._ports import free_port, log_tail, wait_for_port
 
 __all__ = ["RedisCluster", "RedisServer"]
@@ -154,25 +153,6 @@ def _server_version(binary: str) -> tuple[int, ...] | str:
     return tuple(int(part) for part in match.group(1).split("."))
 
 
-# Every server that has a live process or a temp dir, so the atexit hook can clean
-# up after tests that crash before their ``finally``.
-_LIVE: set[RedisServer] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def _cleanup_at_exit() -> None:
-    """Kill and clean every server still registered; the interpreter is exiting."""
-    with _LIVE_LOCK:
-        servers = list(_LIVE)
-    for server in servers:
-        # Best effort: one failure must not keep the others running.
-        with contextlib.suppress(Exception):
-            server.stop(timeout=0.0)
-
-
-atexit.register(_cleanup_at_exit)
-
-
 class RedisServer:
     """One ``redis-server`` on ``127.0.0.1``, empty, with persistence off.
 
@@ -271,8 +251,8 @@ class RedisServer:
             return self
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix=f"kvconn-redis-{self.port}-"))
-        with _LIVE_LOCK:
-            _LIVE.add(self)
+        # at exit, kill at once: the interpreter is going away
+        _live.track(self, lambda: self.stop(timeout=0.0))
         try:
             self._launch_with_retries(allow_new_port=True)
         except BaseException:
@@ -290,8 +270,7 @@ class RedisServer:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-        with _LIVE_LOCK:
-            _LIVE.discard(self)
+        _live.untrack(self)
 
     def kill(self) -> None:
         """SIGKILL the server at once, as a crash would; keeps its dir and port.
