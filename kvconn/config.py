@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -121,7 +122,7 @@ class ConnectorConfig:
             if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE or var in ENV_NOT_CONFIG:
                 continue
             if var.startswith(ENV_OPTION_PREFIX):
-                data["options"][var[len(ENV_OPTION_PREFIX) :].lower()] = _literal(raw)
+                data["options"][var[len(ENV_OPTION_PREFIX) :].lower()] = parse_literal(raw)
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
@@ -130,26 +131,47 @@ class ConnectorConfig:
                     + ", ".join(sorted(ENV_PREFIX + n.upper() for n in names))
                     + f", {ENV_OPTION_PREFIX}<NAME>, {ENV_CONFIG_FILE}"
                 )
-            data[name] = _literal(raw) if name in ("staging_bytes", "retry_interval_s") else raw
+            data[name] = (
+                parse_literal(raw) if name in ("staging_bytes", "retry_interval_s") else raw
+            )
         return cls.from_dict(data)
 
     def with_options(self, **options: Any) -> ConnectorConfig:
         return replace(self, options={**self.options, **options})
 
 
-def load_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_toml(path: str | os.PathLike[str], what: str = "configuration file") -> dict[str, Any]:
+    """A TOML file's table; a missing or malformed file is a ConfigError naming ``what``."""
     p = Path(path)
     try:
         with p.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"configuration file {p} does not exist") from None
+        raise ConfigError(f"{what} {p} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"configuration file {p} is not valid TOML: {exc}") from None
+        raise ConfigError(f"{what} {p} is not valid TOML: {exc}") from None
 
 
-def _literal(raw: str) -> Any:
+def parse_literal(raw: str) -> Any:
+    """A value given as text (env var, ``-o key=value``): a TOML literal when it is one
+    (``8``, ``true``, ``"x"``), else the string itself."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int | None:
+    """``"268435456"``, ``"256MiB"``, ``"256mb"``, ``"1g"`` → bytes, or ``None``.
+
+    Units are binary whatever the spelling, as Mooncake reads them (``"4gb"`` is 4 GiB),
+    so a size copied from a Mooncake config keeps its value.
+    """
+    match = _SIZE.match(text)
+    if match is None:
+        return None
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)

@@ -35,7 +35,6 @@ Custom layouts come from a TOML file (:func:`load_preset`)::
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,13 +42,9 @@ from typing import Any
 
 import torch
 
+from kvconn.config import load_toml
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -423,15 +418,7 @@ def preset_from_dict(data: Mapping[str, Any], where: str = "layout") -> Preset:
 
 def load_preset(path: str | os.PathLike[str]) -> Preset:
     """A custom layout from a TOML file (format in the module docstring)."""
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"layout file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"layout file {p} is not valid TOML: {exc}") from None
-    return preset_from_dict(data, where=f"layout file {p}")
+    return preset_from_dict(load_toml(path, "layout file"), where=f"layout file {Path(path)}")
 
 
 def minimax_m3(tp_size: int = 8, layers: int = 4, num_slots: int = 64) -> KvLayout:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvconn.config import parse_size as parse_bytes
 from kvconn.errors import ConfigError
 
 __all__ = ["CONFIG_PATH_ENV", "PROTOCOLS", "MooncakeConfig", "make_config", "parse_size"]
@@ -69,7 +70,6 @@ DEFAULTS: Mapping[str, object] = {
     "local_buffer_size": 16 * 2**20,
 }
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})$")
 
 
@@ -140,10 +140,9 @@ def parse_size(value: object, where: str) -> int:
     if isinstance(value, float) and math.isfinite(value) and value >= 0 and value.is_integer():
         return int(value)
     if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match is not None:
-            number, unit = float(match.group(1)), match.group(2).lower()
-            return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+        size = parse_bytes(value)
+        if size is not None:
+            return size
     raise ConfigError(
         f"mooncake: {where} must be a size (bytes, or like '512mb', '4GiB'), got {value!r}"
     )

@@ -53,6 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from kvconn.config import parse_size as parse_bytes
 from kvconn.devserver import _live
 from kvconn.devserver._ports import free_port, log_tail, wait_for_port
 
@@ -79,7 +80,6 @@ _HTTP_TIMEOUT_S = 2.0
 #: What gflags prints for a bad command line (``master_args``); not worth a retry.
 _CONFIG_ERROR = "ERROR: "
 _METRIC_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)\s*$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 # --------------------------------------------------------------------------- #
@@ -167,11 +167,10 @@ def parse_size(value: str | int) -> int:
     """
     if isinstance(value, int):
         return value
-    match = _SIZE_RE.match(value)
-    if match is None:
+    size = parse_bytes(value)
+    if size is None:
         raise ValueError(f"not a size: {value!r} (examples: 268435456, 256MiB, 1GiB)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+    return size
 
 
 # --------------------------------------------------------------------------- #

@@ -8,19 +8,13 @@ store ``simulate`` just wrote, whichever backend that is.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from kvconn.backend import Backend
-from kvconn.config import ConnectorConfig, load_toml
+from kvconn.config import ConnectorConfig, load_toml, parse_literal
 from kvconn.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 T = TypeVar("T")
 
@@ -67,15 +61,8 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--option expects KEY=VALUE, got {pair!r}")
-        out[key] = _literal(raw)
+        out[key] = parse_literal(raw)
     return out
-
-
-def _literal(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
 
 
 def store_settings(args: argparse.Namespace) -> dict[str, Any]:
