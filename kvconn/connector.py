@@ -126,9 +126,9 @@ class Connector:
         self._movers: list[PageMover] | None = None
         self.pools: list[torch.Tensor] = []
         self._device = torch.device("cpu")
+        self._staging = Staging(self.backend, pin=False)
         if pools is not None:
             self.register_pools(pools)
-        self._staging = Staging(self.backend, pin=self._device.type == "cuda")
 
     # ------------------------------------------------------------------ setup
     def _check_key_length(self) -> None:
@@ -180,9 +180,9 @@ class Connector:
             PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
             for share in self.shares
         ]
-        if hasattr(self, "_staging"):
-            self._staging.release()
-            self._staging = Staging(self.backend, pin=self._device.type == "cuda")
+        # CUDA pools need pinned staging; nothing is allocated until the first transfer
+        self._staging.release()
+        self._staging = Staging(self.backend, pin=self._device.type == "cuda")
 
     def close(self) -> None:
         self._staging.release()
