@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, VettedKeys
 from kvconn.config import ConnectorConfig
 from kvconn.errors import BackendError, ConfigError, InvalidKeyError, LayoutError
 from kvconn.hashing import DIGEST_SIZE
@@ -156,6 +156,13 @@ class Connector:
                 f"backend's limit of {limit}: shorten the model name ({self.config.model!r}) "
                 f"or the namespace ({self.config.namespace!r})"
             )
+        # Every key this connector makes has one of these shapes with a fixed-size hex
+        # digest, so checking the shapes once vouches for every batch (VettedKeys).
+        VettedKeys([*keys, *self._manifests], limit)
+        self._key_limit = limit
+
+    def _vetted(self, keys: Sequence[str]) -> VettedKeys:
+        return VettedKeys.unchecked(keys, self._key_limit)
 
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
         """Attach this rank's KV pool tensors (the layout's ``pool`` indices)."""
@@ -204,7 +211,7 @@ class Connector:
         per_block = lookup_keys(self.prefix, self.plans, hashes)
         flat = [k for keys in per_block for k in keys]
         try:
-            present = self._call("exists", lambda: self.backend.exists(flat))
+            present = self._call("exists", lambda: self.backend.exists(self._vetted(flat)))
         except _Skipped:
             self.stats.lookup_errors += 1
             return LookupResult(0, 0, available=False)
@@ -230,7 +237,7 @@ class Connector:
         if not all_keys:
             return SaveResult()
         try:
-            present = self._call("exists", lambda: self.backend.exists(all_keys))
+            present = self._call("exists", lambda: self.backend.exists(self._vetted(all_keys)))
         except _Skipped:
             for s, blocks, _ in owned:
                 self.stats.add("dropped", self.shares[s].plan, len(blocks))
@@ -276,7 +283,7 @@ class Connector:
             values.append(view[offset : offset + len(value)])
             offset += len(value)
         try:
-            stored = self._call("put", lambda: self.backend.put(keys, values))
+            stored = self._call("put", lambda: self.backend.put(self._vetted(keys), values))
         except _Skipped:
             return
         self._manifests_stored = all(stored)
@@ -300,7 +307,7 @@ class Connector:
         values = [view[i * size : (i + 1) * size] for i in range(n)]
         keys = [k for _, k in part]
         try:
-            return sum(self._call("put", lambda: self.backend.put(keys, values)))
+            return sum(self._call("put", lambda: self.backend.put(self._vetted(keys), values)))
         except _Skipped:
             return 0
 
@@ -353,7 +360,7 @@ class Connector:
                 buffers.append(view[offset + i * size : offset + (i + 1) * size])
             offset += n * size
         try:
-            ok = self._call("get", lambda: self.backend.get(keys, buffers))
+            ok = self._call("get", lambda: self.backend.get(self._vetted(keys), buffers))
         except _Skipped:
             return 0
         good = n

@@ -5,9 +5,11 @@ import logging
 import pytest
 import torch
 
+import kvconn.backend as backend_module
+from kvconn.backend import VettedKeys
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import BackendUnavailable, ConfigError
+from kvconn.errors import BackendUnavailable, ConfigError, InvalidKeyError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.inspect import parse_key, parse_manifest_key
 from kvconn.keys import LAYOUT
@@ -444,3 +446,60 @@ def test_the_stored_manifest_hashes_to_the_fingerprint_in_its_page_keys(store):
         "replicated": {"index_k": {"units": 1, "dtype": "bf16", "bytes_per_page": per_page}},
     }
     assert {p.manifest for p in group[0].plans} == set(manifests.values())
+
+
+# ---------------------------------------------------------------- vetted key batches
+class _KeyRecorder(DictBackend):
+    """Records the type of every key batch the public methods receive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[type] = []
+
+    def exists(self, keys):  # type: ignore[no-untyped-def]
+        self.batches.append(type(keys))
+        return super().exists(keys)
+
+    def put(self, keys, values):  # type: ignore[no-untyped-def]
+        self.batches.append(type(keys))
+        return super().put(keys, values)
+
+    def get(self, keys, buffers):  # type: ignore[no-untyped-def]
+        self.batches.append(type(keys))
+        return super().get(keys, buffers)
+
+
+def test_the_connector_hands_backends_key_batches_it_has_already_vetted():
+    store = _KeyRecorder()
+    group = tp_group(minimax_m3(tp_size=2, layers=2, num_slots=16), store)
+    save_all(group)
+    assert group[0].lookup(HASHES).blocks == len(HASHES)
+    assert group[1].load(HASHES, SLOTS).ok
+    assert store.batches and set(store.batches) == {VettedKeys}
+
+
+def test_a_vetted_batch_skips_the_per_call_key_check(monkeypatch):
+    store = DictBackend()
+    keys = VettedKeys(["a/1", "a/2"], store.max_key_length)
+
+    def must_not_run(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("a vetted batch was checked again")
+
+    monkeypatch.setattr(backend_module, "_keys_look_valid", must_not_run)
+    monkeypatch.setattr(backend_module, "check_key", must_not_run)
+    assert store.exists(keys) == [False, False]
+
+
+def test_making_a_vetted_batch_checks_every_key():
+    with pytest.raises(InvalidKeyError, match="printable ASCII without spaces"):
+        VettedKeys(["good", "bad key"], 250)
+    with pytest.raises(InvalidKeyError, match="exceeds the limit of 10"):
+        VettedKeys(["x" * 11], 10)
+
+
+def test_a_batch_vetted_for_a_longer_limit_is_checked_against_the_backends_own():
+    store = DictBackend()
+    long_key = "k" * (store.max_key_length + 1)
+    keys = VettedKeys.unchecked([long_key], store.max_key_length + 100)
+    with pytest.raises(InvalidKeyError, match="exceeds the limit"):
+        store.exists(keys)
