@@ -487,28 +487,114 @@ def test_the_key_prefix_namespaces_keys_and_listing_strips_it(redis_server: Redi
 
 
 # ---------------------------------------------------------------- cluster behaviour
+class _Wire:
+    """What the RESP client's sockets did: batches sent, and whose memory bytes moved from/to.
+
+    Events are ``(kind, peer port, detail, bytes)``: ``batch`` (one ``RespConnection.send``;
+    detail: the start of the request), ``sent`` and ``recv`` (detail: the object that owns
+    the memory the socket read from or wrote into).
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, Any, int]] = []
+
+    def batches(self) -> Counter[int]:
+        return Counter(port for kind, port, _, _ in self.events if kind == "batch")
+
+    def requests_to(self, port: int) -> list[bytes]:
+        """Starts of the batches sent to ``port``, slot-map reads left out."""
+        return [
+            head
+            for kind, p, head, _ in self.events
+            if kind == "batch" and p == port and b"CLUSTER\r\n$5\r\nSLOTS" not in head
+        ]
+
+    def slot_map_reads(self) -> int:
+        return sum(
+            b"CLUSTER\r\n$5\r\nSLOTS" in head for kind, _, head, _ in self.events if kind == "batch"
+        )
+
+    def bytes_between(self, kind: str, owners: list[bytearray]) -> int:
+        """Bytes that went straight between a socket and one of ``owners``."""
+        ids = {id(owner) for owner in owners}
+        return sum(n for k, _, owner, n in self.events if k == kind and id(owner) in ids)
+
+
+class _SpiedSocket:
+    """A socket that logs, for each send and receive, whose memory the bytes used."""
+
+    def __init__(self, sock: socket.socket, wire: _Wire) -> None:
+        self._sock = sock
+        self._wire = wire
+        self.port: int = sock.getpeername()[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        views = [memoryview(b) for b in buffers]
+        sent = left = self._sock.sendmsg(views, *args)
+        for view in views:
+            n = min(left, view.nbytes)
+            if n:
+                self._wire.events.append(("sent", self.port, view.obj, n))
+            left -= n
+        return sent
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        got = self._sock.recv_into(buffer, nbytes)
+        self._wire.events.append(("recv", self.port, memoryview(buffer).obj, got))
+        return got
+
+
+def _spy_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> _Wire:
+    """Wrap every socket the RESP client opens from now on (open the backend after this)."""
+    from kvconn_redis._resp import RespConnection
+
+    wire = _Wire()
+    init, send = RespConnection.__init__, RespConnection.send
+
+    def spied_init(self: RespConnection, sock: Any, where: str, *, use_sendmsg: bool) -> None:
+        spied: Any = _SpiedSocket(sock, wire)
+        init(self, spied, where, use_sendmsg=use_sendmsg)
+
+    def spied_send(self: RespConnection, parts: Any) -> None:
+        head = bytes(memoryview(parts[0])[:96])
+        port = getattr(self.sock, "port", 0)
+        wire.events.append(("batch", port, head, sum(len(p) for p in parts)))
+        send(self, parts)
+
+    monkeypatch.setattr(RespConnection, "__init__", spied_init)
+    monkeypatch.setattr(RespConnection, "send", spied_send)
+    return wire
+
+
+def _forbid_redis_py(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any use of redis-py's connections fail the test (when redis-py is installed)."""
+    try:
+        from redis.connection import AbstractConnection
+    except ImportError:
+        return
+
+    def refuse(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("redis-py was used on the data path")
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", refuse)
+    monkeypatch.setattr(AbstractConnection, "connect", refuse)
+
+
 def test_cluster_batches_spread_keys_across_nodes_in_one_round_trip_per_node(
     redis_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from redis.connection import AbstractConnection
-
+    wire = _spy_on_the_wire(monkeypatch)
     backend = _open(redis_cluster.options)
-    # Learn the slot map and open a connection to every node outside the counted
-    # calls: a new redis-py connection spends round trips of its own on setup.
+    # Learn the slot map and open a connection to every node outside the counted calls.
     backend.exists([f"warm-up/{i}" for i in range(48)])
-    sends: Counter[int] = Counter()
-    original = AbstractConnection.send_packed_command
-
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
-        sends[self.port] += 1
-        original(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
     prefix = f"spread/{time.monotonic_ns()}"
     keys = [f"{prefix}/{i}" for i in range(48)]
     values = [_value(i, 4096) for i in range(48)]
     for op in ("put", "exists", "get"):
-        sends.clear()
+        wire.events.clear()
         if op == "put":
             assert backend.put(keys, values) == [True] * 48
         elif op == "exists":
@@ -517,11 +603,380 @@ def test_cluster_batches_spread_keys_across_nodes_in_one_round_trip_per_node(
             bufs = [bytearray(4096) for _ in keys]
             assert backend.get(keys, bufs) == [True] * 48
             assert [bytes(b) for b in bufs] == values
-        assert sends == {port: 1 for port in redis_cluster.ports}, op
+        assert wire.batches() == {port: 1 for port in redis_cluster.ports}, op
+        # Every node's request went out before any reply was read: the round trips overlap.
+        kinds = [kind for kind, _, _, _ in wire.events]
+        last_batch = len(kinds) - 1 - kinds[::-1].index("batch")
+        assert last_batch < kinds.index("recv"), op
     for node in redis_cluster.nodes:
         stored = node.command("KEYS", f"{prefix}/*")
         assert isinstance(stored, list) and len(stored) >= 5
     backend.close()
+
+
+def test_cluster_values_move_between_the_callers_buffers_and_the_sockets_without_copies(
+    redis_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wire = _spy_on_the_wire(monkeypatch)
+    _forbid_redis_py(monkeypatch)
+    backend = _open({**redis_cluster.options, "key_prefix": f"zc/{time.monotonic_ns()}/"})
+    size, count = 256 * 1024, 24
+    keys = [f"page/{i}" for i in range(count)]
+    values = [bytearray(_value(i, size)) for i in range(count)]
+    assert backend.put(keys, values) == [True] * count
+    # Every value byte left from the caller's own memory (sendmsg of its buffers).
+    assert wire.bytes_between("sent", values) == count * size
+    assert len({port for kind, port, _, _ in wire.events if kind == "batch"}) == 3
+    buffers = [bytearray(size) for _ in keys]
+    wire.events.clear()
+    assert backend.get(keys, buffers) == [True] * count
+    assert [bytes(b) for b in buffers] == [bytes(v) for v in values]
+    # recv_into straight into the caller's buffers; the rest is the start of a value that
+    # arrived in the same read as its $<len> header (at most one 8 KiB read per value).
+    direct = wire.bytes_between("recv", buffers)
+    assert direct >= count * (size - 8192), (direct, count * size)
+    backend.close()
+
+
+def _text(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _owner(cluster: RedisCluster, slot: int) -> int:
+    """Index of the node serving ``slot``, as node 0 sees it."""
+    ranges: Any = cluster.nodes[0].command("CLUSTER", "SLOTS")
+    for first, last, primary, *_ in ranges:
+        if first <= slot <= last:
+            return cluster.ports.index(primary[1])
+    raise AssertionError(f"slot {slot} has no owner")
+
+
+def _begin_migration(cluster: RedisCluster, slot: int, source: int, target: int) -> None:
+    src, dst = cluster.nodes[source], cluster.nodes[target]
+    dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", _text(src.command("CLUSTER", "MYID")))
+    src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", _text(dst.command("CLUSTER", "MYID")))
+
+
+def _move_keys(cluster: RedisCluster, source: int, target: int, keys: list[str]) -> None:
+    dst = cluster.nodes[target]
+    reply = cluster.nodes[source].command(
+        "MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys
+    )
+    assert reply == "OK", reply
+
+
+def _finish_migration(cluster: RedisCluster, slot: int, target: int) -> None:
+    dst = cluster.nodes[target]
+    target_id = _text(dst.command("CLUSTER", "MYID"))
+    for node in [dst, *(n for n in cluster.nodes if n is not dst)]:  # the new owner first
+        node.command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[RedisCluster]:
+    """A cluster of its own, for tests that move slots around."""
+    require_or_skip(RedisCluster.available())
+    with RedisCluster(3, node_timeout_ms=1000) as cluster:
+        yield cluster
+
+
+def _one_slot_keys(tag: str, count: int) -> list[str]:
+    return [f"mig/{{{tag}}}/{i}" for i in range(count)]
+
+
+def test_keys_of_a_slot_moved_after_the_map_was_learned_follow_moved_once(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wire = _spy_on_the_wire(monkeypatch)
+    backend = _open(own_cluster.options)
+    keys = _one_slot_keys("moved", 8)
+    values = [_value(i, 70_000) for i in range(8)]
+    assert backend.put(keys[:4], values[:4]) == [True] * 4  # the backend learned the map
+    slot = own_cluster.nodes[0].command("CLUSTER", "KEYSLOT", keys[0])
+    assert isinstance(slot, int)
+    source = _owner(own_cluster, slot)
+    target = (source + 1) % 3
+    _begin_migration(own_cluster, slot, source, target)
+    _move_keys(own_cluster, source, target, keys[:4])
+    _finish_migration(own_cluster, slot, target)
+
+    wire.events.clear()
+    assert backend.exists(keys) == [True] * 4 + [False] * 4
+    # MOVED from the old owner, one map read, then the keys again at the new owner.
+    assert len(wire.requests_to(own_cluster.ports[source])) == 1
+    assert len(wire.requests_to(own_cluster.ports[target])) == 1
+    assert wire.slot_map_reads() == 1
+    wire.events.clear()
+    bufs = [bytearray(70_000) for _ in range(4)]
+    assert backend.get(keys[:4], bufs) == [True] * 4  # straight to the new owner now
+    assert [bytes(b) for b in bufs] == values[:4]
+    assert wire.batches() == {own_cluster.ports[target]: 1}
+    assert backend.put(keys[4:], values[4:]) == [True] * 4
+    assert own_cluster.nodes[target].command("CLUSTER", "COUNTKEYSINSLOT", slot) == 8
+    assert own_cluster.nodes[source].command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    backend.close()
+
+
+def test_keys_of_a_slot_half_way_through_a_migration_follow_ask_to_the_importing_node(
+    own_cluster: RedisCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wire = _spy_on_the_wire(monkeypatch)
+    backend = _open(own_cluster.options)
+    keys = _one_slot_keys("asked", 8)
+    values = [_value(i, 50_000) for i in range(8)]
+    assert backend.put(keys[:4], values[:4]) == [True] * 4
+    slot = own_cluster.nodes[0].command("CLUSTER", "KEYSLOT", keys[0])
+    assert isinstance(slot, int)
+    source = _owner(own_cluster, slot)
+    target = (source + 2) % 3
+    _begin_migration(own_cluster, slot, source, target)
+    _move_keys(own_cluster, source, target, keys[:2])  # keys 0-1 moved, 2-3 not yet
+
+    wire.events.clear()
+    assert backend.exists(keys) == [True] * 4 + [False] * 4
+    bufs = [bytearray(50_000) for _ in range(4)]
+    assert backend.get(keys[:4], bufs) == [True] * 4
+    assert [bytes(b) for b in bufs] == values[:4]
+    assert backend.put(keys[2:], values[2:]) == [True] * 6  # 2-3 exist at the source
+    asked = [head for head in wire.requests_to(own_cluster.ports[target])]
+    assert asked and all(head.startswith(b"*1\r\n$6\r\nASKING\r\n") for head in asked)
+    assert wire.slot_map_reads() == 0  # ASK is no sign of a stale map
+    # New keys were created where the slot is going; existing ones stayed put.
+    assert own_cluster.nodes[target].command("CLUSTER", "COUNTKEYSINSLOT", slot) == 6
+    assert own_cluster.nodes[source].command("CLUSTER", "COUNTKEYSINSLOT", slot) == 2
+
+    _move_keys(own_cluster, source, target, keys[2:4])
+    _finish_migration(own_cluster, slot, target)
+    bufs = [bytearray(50_000) for _ in keys]
+    assert backend.get(keys, bufs) == [True] * 8  # MOVED, then the new owner
+    assert [bytes(b) for b in bufs] == values
+    backend.close()
+
+
+def test_slots_computed_locally_agree_with_the_servers_keyslot(redis_cluster: RedisCluster) -> None:
+    from kvconn_redis._cluster import key_slot
+
+    node = redis_cluster.nodes[0]
+    keys = [
+        "a",
+        "kvconn/mm3/w8r3/lg0/t32b262144/0123456789abcdef",
+        "{user1000}.following",
+        "{user1000}.followers",
+        "foo{}{bar}",
+        "foo{{bar}}zap",
+        "foo{bar}{zap}",
+        "{}",
+        "}{",
+        "x{",
+        *(f"k/{i}/{i * 7919 % 1000}" for i in range(40)),
+    ]
+    for key in keys:
+        assert key_slot(key.encode()) == node.command("CLUSTER", "KEYSLOT", key), key
+
+
+def test_cluster_mode_aimed_at_a_plain_server_is_a_configuration_error(
+    redis_server: RedisServer,
+) -> None:
+    with pytest.raises(ConfigError, match="not a cluster node"):
+        _open({"url": redis_server.url, "cluster": True})
+
+
+def test_a_cluster_acl_user_authenticates_on_every_node(redis_cluster: RedisCluster) -> None:
+    for node in redis_cluster.nodes:
+        node.command("ACL", "SETUSER", "kvclu", "on", ">clu-pass", "~acl/*", "+@all")
+    try:
+        options = {**redis_cluster.options, "username": "kvclu", "password": "clu-pass"}
+        backend = _open(options)
+        keys = [f"acl/{i}" for i in range(24)]  # on every node
+        assert backend.put(keys, [b"v"] * 24) == [True] * 24
+        assert backend.exists(keys) == [True] * 24
+        with pytest.raises(BackendError, match="NOPERM"):
+            backend.put([f"outside/{i}" for i in range(24)], [b"v"] * 24)
+        backend.close()
+        with pytest.raises(ConfigError, match="refused the credentials"):
+            _open({**options, "password": "wrong"})
+    finally:
+        for node in redis_cluster.nodes:
+            node.command("ACL", "DELUSER", "kvclu")
+
+
+def test_cluster_mode_applies_the_key_prefix_and_ttl_on_every_node(
+    redis_cluster: RedisCluster,
+) -> None:
+    prefix = f"pt{time.monotonic_ns()}/"
+    backend = _open({**redis_cluster.options, "key_prefix": prefix, "ttl_s": 60})
+    keys = [f"p/{i}" for i in range(30)]
+    assert backend.put(keys, [b"x" * (i + 1) for i in range(30)]) == [True] * 30
+    seen = 0
+    for node in redis_cluster.nodes:
+        stored = node.command("KEYS", f"{prefix}p/*")
+        assert isinstance(stored, list) and stored  # every node holds some
+        for key in stored:
+            pttl = node.command("PTTL", _text(key))
+            assert isinstance(pttl, int) and 0 < pttl <= 60_000
+        seen += len(stored)
+    assert seen == 30
+    assert sorted(backend.list_keys("p/")) == sorted((k, i + 1) for i, k in enumerate(keys))
+    assert backend.delete([*keys[:10], "p/absent"]) == [True] * 10 + [False]
+    assert backend.exists(keys) == [False] * 10 + [True] * 20
+    backend.close()
+
+
+def test_an_oom_reply_from_one_cluster_node_fails_only_its_keys(
+    redis_cluster: RedisCluster,
+) -> None:
+    backend = _open(redis_cluster.options)
+    keys = [f"oom/{time.monotonic_ns()}/{i}" for i in range(30)]
+    backend.exists(keys)  # learn the map before the node fills up
+    full = redis_cluster.nodes[1]
+    full.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    full.command("CONFIG", "SET", "maxmemory", "1")
+    try:
+        saved = backend.put(keys, [b"v"] * 30)
+    finally:
+        full.command("CONFIG", "SET", "maxmemory", "0")
+    on_full = [full.command("CLUSTER", "KEYSLOT", k) for k in keys]
+    expected = [_owner(redis_cluster, int(str(s))) != 1 for s in on_full]
+    assert saved == expected and 0 < sum(saved) < 30
+    assert backend.exists(keys) == expected
+    backend.close()
+
+
+def test_threads_sharing_a_cluster_backend_with_small_pools_all_finish(
+    redis_cluster: RedisCluster,
+) -> None:
+    # Two connections per node for eight threads: batches wait for each other's nodes, and
+    # must neither deadlock nor read each other's replies.
+    backend = _open({**redis_cluster.options, "max_connections": 2})
+    problems: list[str] = []
+
+    def work(t: int) -> None:
+        try:
+            for r in range(6):
+                keys = [f"threads/{t}/{r}/{i}" for i in range(12)]
+                values = [_value(t * 100 + r * 12 + i, 3000 + i) for i in range(12)]
+                assert backend.put(keys, values) == [True] * 12
+                bufs = [bytearray(3000 + i) for i in range(12)]
+                assert backend.get(keys, bufs) == [True] * 12
+                assert [bytes(b) for b in bufs] == values
+        except BaseException as exc:
+            problems.append(f"thread {t}: {exc!r}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not problems and not any(t.is_alive() for t in threads), problems
+    backend.close()
+
+
+def test_a_cluster_backend_used_before_a_fork_works_in_the_child_and_the_parent(
+    redis_cluster: RedisCluster,
+) -> None:
+    backend = _open(redis_cluster.options)
+    keys = [f"fork/{time.monotonic_ns()}/{i}" for i in range(24)]
+    assert backend.put(keys, [b"parent"] * 24) == [True] * 24  # pooled connections now
+    pid = os.fork()
+    if pid == 0:  # the child must not read replies meant for the parent, nor hang on a lock
+        code = 1
+        try:
+            bufs = [bytearray(6) for _ in keys]
+            if backend.get(keys, bufs) == [True] * 24 and all(b == b"parent" for b in bufs):
+                code = (
+                    0
+                    if backend.put([f"{k}/child" for k in keys], [b"c"] * 24) == [True] * 24
+                    else 1
+                )
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.exists([f"{k}/child" for k in keys]) == [True] * 24
+    backend.close()
+
+
+def test_a_hung_cluster_node_times_out_and_the_other_nodes_stay_in_step(
+    redis_cluster: RedisCluster,
+) -> None:
+    backend = _open({**redis_cluster.options, "timeout_s": 0.3})
+    keys = [f"hung/{time.monotonic_ns()}/{i}" for i in range(24)]
+    assert backend.put(keys, [b"v%d" % i for i in range(24)]) == [True] * 24
+    hung = redis_cluster.nodes[2]
+    hung.pause()  # shorter than the node timeout: the cluster itself does not notice
+    try:
+        with pytest.raises(BackendUnavailable, match=f"{hung.port}: get timed out"):
+            backend.get(keys, [bytearray(3) for _ in keys])
+    finally:
+        hung.resume()
+    bufs = [bytearray(len(b"v%d" % i)) for i in range(24)]
+    assert backend.get(keys, bufs) == [True] * 24
+    assert [bytes(b) for b in bufs] == [b"v%d" % i for i in range(24)]
+    backend.close()
+
+
+def test_a_cluster_node_that_is_down_makes_batches_unavailable_until_it_returns(
+    redis_cluster: RedisCluster,
+) -> None:
+    backend = _open({**redis_cluster.options, "connect_timeout_s": 0.5})
+    keys = [f"down/{time.monotonic_ns()}/{i}" for i in range(24)]
+    assert backend.put(keys, [b"v"] * 24) == [True] * 24
+    dead = redis_cluster.nodes[2]
+    redis_cluster.kill_node(2)
+    try:
+        with pytest.raises(BackendUnavailable, match=f"{dead.port}: cannot connect"):
+            backend.exists(keys)
+    finally:
+        redis_cluster.restart_node(2)  # back empty, on the same port
+    # The same backend object recovers: node 2's keys are gone, the others' are not.
+    present = backend.exists(keys)
+    assert 0 < sum(present) < 24
+    assert backend.put(keys, [b"v"] * 24) == [True] * 24
+    assert backend.exists(keys) == [True] * 24
+    backend.close()
+
+
+def test_a_rediss_cluster_url_reaches_every_node_over_tls(tmp_path: Path) -> None:
+    """Skipped (even in CI) when openssl is missing or redis-server lacks TLS support."""
+    require_or_skip(RedisCluster.available())
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make test certificates")
+    files = _make_certificates(tmp_path)
+    cluster = RedisCluster(3, node_timeout_ms=1000)
+    tls_ports = []
+    for node in cluster.nodes:
+        tls_ports.append(free_port())
+        node.extra_args += (
+            *("--tls-port", str(tls_ports[-1]), "--tls-cluster", "yes"),
+            *("--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"]),
+            *("--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "no"),
+            # The bus stays on port + 10000, the pair the dev server checked was free.
+            *("--cluster-port", str(node.port + 10000)),
+        )
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        if "tls" in str(exc).lower() or "cluster-port" in str(exc):
+            pytest.skip(f"redis-server without TLS or cluster-port support: {exc}")
+        raise
+    try:
+        # Only one node's TLS port is given: the others come from CLUSTER SLOTS, which
+        # over TLS names their TLS ports.
+        url = f"rediss+cluster://127.0.0.1:{tls_ports[1]}"
+        backend = _open({"url": url, "tls_ca_file": files["ca.crt"]})
+        keys = [f"tls/{i}" for i in range(24)]
+        values = [_value(i, 100_000) for i in range(24)]
+        assert backend.put(keys, values) == [True] * 24
+        bufs = [bytearray(100_000) for _ in keys]
+        assert backend.get(keys, bufs) == [True] * 24
+        assert [bytes(b) for b in bufs] == values
+        for node in cluster.nodes:
+            assert node.command("DBSIZE") not in (0, None)
+        backend.close()
+        with pytest.raises(ConfigError, match="not trusted"):
+            _open({"url": url})  # the system CAs do not know our throwaway CA
+    finally:
+        cluster.stop()
 
 
 def test_a_cluster_url_scheme_implies_cluster_mode(redis_cluster: RedisCluster) -> None:

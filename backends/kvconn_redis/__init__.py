@@ -6,10 +6,13 @@ content-addressed keys make "first writer wins" the right rule — and an option
 (``ttl_s``) lets a shared deployment bound how long pages live, on top of whatever
 ``maxmemory-policy`` evicts.
 
-Every batched call is one round trip per server. A single server is driven by a small
-built-in RESP client (:mod:`kvconn_redis._resp`) that sends values from the caller's
-memory and receives them straight into the caller's buffers; a cluster goes through
-redis-py's ``RedisCluster`` (:mod:`kvconn_redis._cluster`), which routes by slot.
+Every batched call is one round trip per server. A small built-in RESP client
+(:mod:`kvconn_redis._resp`) sends values from the caller's memory and receives them
+straight into the caller's buffers, after checking each value's size. A cluster uses the
+same client once per primary (:mod:`kvconn_redis._cluster`): keys are routed by slot from
+the map ``CLUSTER SLOTS`` gives, every node's share is sent before any reply is read so
+the nodes work at the same time, and ``MOVED``/``ASK`` redirections are followed. No
+third-party client is involved in either mode.
 
 Options (keyword arguments; ``load_backend("redis", {...})``):
 
@@ -45,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from typing import ClassVar, Protocol
 
 from kvconn.backend import Backend, Capabilities
-from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
+from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn_redis._config import DEFAULT_URL, RedisConfig, make_config
 from kvconn_redis._resp import HandshakeError
 
@@ -77,7 +80,8 @@ class _Client(Protocol):
 class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     extra: ClassVar[str | None] = "redis"
-    client_modules: ClassVar[tuple[str, ...]] = ("redis",)
+    # Both modes speak RESP themselves: redis-py (the ``redis`` extra) is not needed.
+    client_modules: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True)
 
     def __init__(
@@ -100,16 +104,13 @@ class RedisBackend(Backend):
     ) -> None:
         """Check the options, then try one connection.
 
-        Credentials and the database number can only be checked by the server, so one
-        connection is tried now: a refusal is a :class:`ConfigError` at start-up. A
-        server that cannot be reached is *not* an error here — it may come up later,
+        Credentials, the database number and cluster mode can only be checked by the
+        server, so one connection is tried now (in cluster mode: reading the slot map
+        from a seed): a refusal is a :class:`ConfigError` at start-up. A server that
+        cannot be reached is *not* an error here — it may come up later,
         and until then every call raises :class:`BackendUnavailable`, which the
         connector serves as misses.
         """
-        try:
-            import redis  # noqa: F401  (cluster mode needs it; checked the same way always)
-        except ImportError as exc:
-            raise BackendDependencyMissing(self.name, "redis", self.extra or self.name) from exc
         self.config: RedisConfig = make_config(
             url=url,
             username=username,

@@ -1,4 +1,4 @@
-"""A small RESP2 pipeline client over one socket: the single-node hot path.
+"""A small RESP2 pipeline client: the hot path of single-server and cluster mode alike.
 
 Why not redis-py here: a redis-py pipeline copies every value at least twice on a
 ``get`` (socket → parser buffer → ``bytes`` object) before kvconn copies it a third time
@@ -10,6 +10,11 @@ This client instead
 * reads each bulk reply's ``$<len>`` header first, then — only when ``len`` equals the
   caller's buffer size — ``recv_into`` straight into that buffer; a wrong size is
   drained into a scratch buffer and reported as a failure, leaving the buffer untouched.
+
+The pieces are split so that a cluster can reuse them: a :class:`Node` is the pooled
+connections to one address, :class:`Commands` writes a batch and reads its replies for
+any node, and :func:`run_jobs` sends every node's share of a batch before it reads any
+reply, so the nodes of a cluster overlap (:mod:`kvconn_redis._cluster` routes the keys).
 
 Correctness rules that make a hand-written client safe to pool:
 
@@ -25,24 +30,29 @@ Correctness rules that make a hand-written client safe to pool:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 from kvconn.errors import BackendError, BackendUnavailable
 from kvconn_redis._config import RedisConfig
 
 __all__ = [
+    "Commands",
     "ConnectionPool",
     "ErrorReply",
     "HandshakeError",
+    "Job",
+    "Node",
     "RespClient",
     "RespConnection",
     "encode_command",
+    "run_jobs",
 ]
 
 T = TypeVar("T")
@@ -90,7 +100,7 @@ class ProtocolError(Exception):
 
 
 class HandshakeError(BackendError):
-    """The server refused our credentials or database number: a configuration problem."""
+    """The server refused our credentials, database number or mode: a configuration problem."""
 
 
 def encode_command(*args: bytes) -> bytes:
@@ -374,6 +384,19 @@ class ConnectionPool:
                 self._idle.append(conn)
             self._cond.notify()
 
+    def drop_idle(self) -> None:
+        """Close every idle connection: after one was found closed by the server, the
+        others that went idle with it most likely were too (a restart, an idle timeout),
+        and each would cost a failed try."""
+        if os.getpid() != self._pid:
+            return
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+
     def discard(self, conn: RespConnection) -> None:
         """Close a connection in an unknown state; it is never handed out again."""
         conn.close()
@@ -421,36 +444,48 @@ class _Batch:
         return self._parts
 
 
-class RespClient:
-    """Batched exists/put/get/delete/scan against one Redis server."""
+def _handshake(config: RedisConfig) -> list[bytes]:
+    """The commands every new connection sends before it is used: AUTH, SELECT."""
+    commands = []
+    if config.password is not None:
+        user = [config.username.encode()] if config.username is not None else []
+        commands.append(encode_command(b"AUTH", *user, config.password.encode()))
+    if config.db:
+        commands.append(encode_command(b"SELECT", b"%d" % config.db))
+    return commands
 
-    def __init__(self, config: RedisConfig) -> None:
+
+class Node:
+    """Pooled connections to one server, each opened with the deployment's options.
+
+    The single-server client drives one node; the cluster client one per primary, so
+    TLS, credentials, timeouts and ``max_connections`` hold for every node alike.
+    ``address`` is ``(host, port)``, or None for the configured unix socket.
+    """
+
+    def __init__(
+        self,
+        config: RedisConfig,
+        address: tuple[str, int] | None,
+        ssl_context: ssl.SSLContext | None,
+        where: str,
+    ) -> None:
         self.config = config
-        self.where = config.where
-        self._ssl = config.ssl_context() if config.tls else None
-        self._prefix = config.key_prefix.encode("ascii")
-        handshake = []
-        if config.password is not None:
-            user = [config.username.encode()] if config.username is not None else []
-            handshake.append(encode_command(b"AUTH", *user, config.password.encode()))
-        if config.db:
-            handshake.append(encode_command(b"SELECT", b"%d" % config.db))
+        self.address = address
+        self.where = where
+        self._ssl = ssl_context
+        handshake = _handshake(config)
         self._handshake = b"".join(handshake)
         self._handshake_count = len(handshake)
-        if config.ttl_ms is not None:
-            self._set_tail = b"\r\n$2\r\nNX\r\n$2\r\nPX\r\n" + _bulk(b"%d" % config.ttl_ms)
-            self._set_argc = 6
-        else:
-            self._set_tail = b"\r\n$2\r\nNX\r\n"
-            self._set_argc = 4
-        self._pool = ConnectionPool(
-            self._connect, config.max_connections, config.timeout_s, self.where
-        )
+        self.pool = ConnectionPool(self._connect, config.max_connections, config.timeout_s, where)
 
-    # ------------------------------------------------------------------ connections
+    def __repr__(self) -> str:
+        return f"Node({self.where!r})"
+
     def _open_socket(self) -> socket.socket:
         config = self.config
-        if config.unix_path is not None:
+        if self.address is None:
+            assert config.unix_path is not None
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.settimeout(config.connect_timeout_s)
@@ -459,7 +494,7 @@ class RespClient:
                 sock.close()
                 raise
             return sock
-        host, port = config.nodes[0]
+        host, port = self.address
         sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -512,7 +547,7 @@ class RespClient:
                 )
         return conn
 
-    def _run(
+    def run(
         self,
         op: str,
         parts: Sequence[bytes | memoryview],
@@ -520,108 +555,328 @@ class RespClient:
         *,
         retry: bool = True,
     ) -> T:
-        """Send one batch, read every reply, and keep or drop the connection accordingly.
+        """One batch on one connection: send it, read every reply."""
+        job = Job(self, op, parts, read, retry=retry)
+        run_jobs([job])
+        return job.value()
 
-        ``retry``: a pooled connection may have been closed by the server while idle (a
-        restart, an idle timeout); when such a connection fails before any reply byte
-        came back, an idempotent batch is sent once more on a fresh connection, so a
-        server that came back is not reported as down.
-        """
-        for attempt in (0, 1):
-            conn, reused = self._pool.acquire()
+    def close(self) -> None:
+        self.pool.close()
+
+
+_UNSET = object()
+
+
+class Job(Generic[T]):
+    """One node's share of a batch: its request, how to read its replies, what came back.
+
+    ``retry``: a pooled connection may have been closed by the server while idle (a
+    restart, an idle timeout); when such a connection fails before any reply byte came
+    back, an idempotent batch is sent once more on a fresh connection, so a server that
+    came back is not reported as down.
+    """
+
+    __slots__ = ("_again", "_result", "error", "node", "op", "parts", "read", "retry")
+
+    def __init__(
+        self,
+        node: Node,
+        op: str,
+        parts: Sequence[bytes | memoryview],
+        read: Callable[[RespConnection], T],
+        *,
+        retry: bool = True,
+    ) -> None:
+        self.node = node
+        self.op = op
+        self.parts = parts
+        self.read = read
+        self.retry = retry
+        self.error: BackendError | None = None
+        self._result: object = _UNSET
+        self._again = False
+
+    def value(self) -> T:
+        """The replies, or the error that kept them from arriving."""
+        if self.error is not None:
+            raise self.error
+        if self._result is _UNSET:
+            raise AssertionError(f"{self.op} on {self.node.where} was never run")
+        return cast(T, self._result)
+
+    def _failed(self, conn: RespConnection, reused: bool, exc: OSError | ProtocolError) -> None:
+        """The connection is in an unknown state: drop it, then plan a retry or keep the error."""
+        pool = self.node.pool
+        pool.discard(conn)
+        where, op = self.node.where, self.op
+        error: BackendError
+        if isinstance(exc, TimeoutError):
+            error = BackendUnavailable(
+                f"redis at {where}: {op} timed out after {self.node.config.timeout_s:g} s"
+            )
+        elif self.retry and reused and conn.received == 0:
+            pool.drop_idle()  # the others went idle at the same time: likely closed too
+            self._again = True
+            return
+        elif isinstance(exc, ProtocolError):
+            error = BackendError(f"redis at {where}: {op} failed: {_describe(exc)}")
+        else:
+            error = BackendUnavailable(f"redis at {where}: {op} failed: {_describe(exc)}")
+        error.__cause__ = exc
+        self.error = error
+
+
+def run_jobs(jobs: Sequence[Job[Any]]) -> None:
+    """Send every job's request, then read every job's replies; outcomes stay in the jobs.
+
+    Each job has its own node's connection, so the nodes work on their shares at the
+    same time: one overlapping round trip per node, not one node after another. Jobs
+    must name distinct nodes, in an order every caller shares (sorted by address): a
+    thread keeps its earlier nodes' connections while it waits for a busy pool, and the
+    shared order keeps two threads from each waiting for what the other holds. For the
+    same reason a retry (see :class:`Job`) runs only after every connection went back.
+    """
+    held: dict[int, tuple[RespConnection, bool]] = {}
+    try:
+        for i, job in enumerate(jobs):
+            try:
+                conn, reused = job.node.pool.acquire()
+            except BackendError as exc:  # cannot connect, credentials refused, closed
+                job.error = exc
+                continue
+            held[i] = conn, reused
             conn.begin()
             try:
-                conn.send(parts)
-                result = read(conn)
-            except TimeoutError as exc:
-                self._pool.discard(conn)
-                raise BackendUnavailable(
-                    f"redis at {self.where}: {op} timed out after {self.config.timeout_s:g} s"
-                ) from exc
+                conn.send(job.parts)
             except (OSError, ProtocolError) as exc:
-                self._pool.discard(conn)
-                if attempt == 0 and retry and reused and conn.received == 0:
-                    continue
-                kind = BackendError if isinstance(exc, ProtocolError) else BackendUnavailable
-                raise kind(f"redis at {self.where}: {op} failed: {_describe(exc)}") from exc
-            except BaseException:
-                self._pool.discard(conn)
-                raise
-            self._pool.release(conn)  # every reply was read: the connection is clean
-            return result
-        raise AssertionError("unreachable")
+                del held[i]
+                job._failed(conn, reused, exc)
+        for i in list(held):
+            conn, reused = held[i]
+            job = jobs[i]
+            try:
+                result = job.read(conn)
+            except (OSError, ProtocolError) as exc:
+                del held[i]
+                job._failed(conn, reused, exc)
+                continue
+            del held[i]
+            job.node.pool.release(conn)  # every reply was read: the connection is clean
+            job._result = result
+    except BaseException:
+        # Anything else (KeyboardInterrupt, a bug) leaves replies unread: never reuse.
+        for i, (conn, _) in held.items():
+            jobs[i].node.pool.discard(conn)
+        raise
+    again = [job for job in jobs if job._again]
+    for job in again:
+        job._again = False
+        job.retry = False
+    if again:
+        run_jobs(again)
+
+
+_ASKING = encode_command(b"ASKING")
+
+
+class Commands:
+    """How each batched operation is written, and its replies read, for any one node.
+
+    Shared by the single-server and the cluster client. ``asking`` (cluster only) marks
+    the keys to send with ``ASKING`` first: their slot is being imported by that node.
+    """
+
+    def __init__(self, config: RedisConfig) -> None:
+        self.prefix = config.key_prefix.encode("ascii")
+        if config.ttl_ms is not None:
+            self._set_tail = b"\r\n$2\r\nNX\r\n$2\r\nPX\r\n" + _bulk(b"%d" % config.ttl_ms)
+            self._set_argc = 6
+        else:
+            self._set_tail = b"\r\n$2\r\nNX\r\n"
+            self._set_argc = 4
+
+    def key(self, key: str) -> bytes:
+        return self.prefix + key.encode("ascii")
+
+    def one_key(
+        self, command: bytes, keys: Sequence[str], asking: Sequence[bool] | None = None
+    ) -> bytes:
+        """``command key`` per key (EXISTS, GET, DEL), as one request."""
+        head = b"*2\r\n$%d\r\n%s\r\n" % (len(command), command)
+        prefix = self.prefix
+        asks = itertools.repeat(False) if asking is None else asking
+        return b"".join(
+            [
+                b"%s%s$%d\r\n%s%s\r\n"
+                % (_ASKING if ask else b"", head, len(prefix) + len(k), prefix, k.encode())
+                for k, ask in zip(keys, asks)
+            ]
+        )
+
+    def sets(
+        self,
+        keys: Sequence[str],
+        values: Sequence[memoryview],
+        asking: Sequence[bool] | None = None,
+    ) -> list[bytes | memoryview]:
+        """``SET key value NX [PX ttl]`` per key; big values go out from the caller's memory."""
+        batch = _Batch()
+        head = b"*%d\r\n$3\r\nSET\r\n" % self._set_argc
+        for n, (key, value) in enumerate(zip(keys, values)):
+            ask = _ASKING if asking is not None and asking[n] else b""
+            batch.add(ask + head + _bulk(self.key(key)) + b"$%d\r\n" % value.nbytes)
+            batch.add_value(value)
+            batch.add(self._set_tail)
+        return batch.parts()
+
+    @staticmethod
+    def read_flags(
+        n: int, asking: Sequence[bool] | None = None
+    ) -> Callable[[RespConnection], list[Reply]]:
+        """Replies of one-key EXISTS/DEL; the fast run decoder unless ASKING replies interleave."""
+        if asking is None:
+            return lambda conn: conn.read_flags(n)
+        return Commands.read_replies(n, asking)
+
+    @staticmethod
+    def read_replies(
+        n: int, asking: Sequence[bool] | None = None
+    ) -> Callable[[RespConnection], list[Reply]]:
+        def read(conn: RespConnection) -> list[Reply]:
+            if asking is None:
+                return [conn.read_reply() for _ in range(n)]
+            out = []
+            for ask in asking:
+                if ask:
+                    conn.read_reply()  # ASKING's +OK; a refusal shows in the next reply
+                out.append(conn.read_reply())
+            return out
+
+        return read
+
+    @staticmethod
+    def read_values(
+        buffers: Sequence[memoryview], asking: Sequence[bool] | None = None
+    ) -> Callable[[RespConnection], list[bool | ErrorReply]]:
+        """GET replies, each straight into its buffer when the size matches."""
+
+        def read(conn: RespConnection) -> list[bool | ErrorReply]:
+            if asking is None:
+                return [conn.read_bulk_into(buf) for buf in buffers]
+            out = []
+            for buf, ask in zip(buffers, asking):
+                if ask:
+                    conn.read_reply()
+                out.append(conn.read_bulk_into(buf))
+            return out
+
+        return read
+
+
+def flag(reply: Reply, op: str, where: str) -> bool:
+    """An EXISTS/DEL reply as a boolean; an error reply raises."""
+    if isinstance(reply, int):  # bool is an int: the fast path's answers
+        return reply > 0
+    if isinstance(reply, ErrorReply):
+        raise error_for(reply, op, where)
+    raise BackendError(f"redis at {where}: {op} answered {reply!r}")
+
+
+def stored(reply: Reply, op: str, where: str) -> bool:
+    """A ``SET … NX`` reply as the put's per-key success.
+
+    ``OOM`` (the server is full and may not evict) is that key's failure, not an error
+    of the store: the page simply was not saved, like any dropped save.
+    """
+    if isinstance(reply, ErrorReply):
+        if reply.code == "OOM":
+            return False
+        raise error_for(reply, op, where)
+    return True  # +OK: stored; nil: already present, left untouched
+
+
+def filled(result: bool | ErrorReply, op: str, where: str) -> bool:
+    """A GET's outcome: True when the buffer was filled; an error reply raises."""
+    if isinstance(result, ErrorReply):
+        raise error_for(result, op, where)
+    return result
+
+
+def scan_node(
+    node: Node, key_prefix: bytes, prefix: str, seen: set[bytes]
+) -> Iterator[tuple[str, int]]:
+    """Keys under ``prefix`` on one server with their sizes; SCAN + STRLEN, a batch per page.
+
+    ``seen`` spans calls: SCAN may return a key more than once, and a cluster slot being
+    migrated may show a key on two nodes.
+    """
+    pattern = glob_escape(key_prefix + prefix.encode("ascii")) + b"*"
+    cursor = b"0"
+    while True:
+        reply = node.run(
+            "list",
+            [encode_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"%d" % _SCAN_COUNT)],
+            lambda c: c.read_reply(),
+        )
+        if isinstance(reply, ErrorReply):
+            raise error_for(reply, "list", node.where)
+        if not (
+            isinstance(reply, list)
+            and len(reply) == 2
+            and isinstance(reply[0], bytes)
+            and isinstance(reply[1], list)
+        ):
+            raise BackendError(f"redis at {node.where}: SCAN answered {reply!r}")
+        cursor = reply[0]
+        found = [k for k in reply[1] if isinstance(k, bytes) and k not in seen]
+        seen.update(found)
+        if found:
+            payload = b"".join(b"*2\r\n$6\r\nSTRLEN\r\n" + _bulk(k) for k in found)
+            sizes = node.run("list", [payload], Commands.read_replies(len(found)))
+            for key, size in zip(found, sizes):
+                if isinstance(size, ErrorReply):
+                    continue  # not a string: not one of our pages
+                if isinstance(size, int) and size > 0:  # 0: deleted since SCAN
+                    yield key[len(key_prefix) :].decode("ascii"), size
+        if cursor == b"0":
+            return
+
+
+class RespClient:
+    """Batched exists/put/get/delete/scan against one Redis server: one round trip each."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        self.config = config
+        self.where = config.where
+        address = None if config.unix_path is not None else config.nodes[0]
+        ssl_context = config.ssl_context() if config.tls else None
+        self._node = Node(config, address, ssl_context, config.where)
+        self._commands = Commands(config)
 
     def ping(self) -> None:
-        reply = self._run("ping", [encode_command(b"PING")], lambda c: c.read_reply())
+        reply = self._node.run("ping", [encode_command(b"PING")], lambda c: c.read_reply())
         if isinstance(reply, ErrorReply):
             raise error_for(reply, "ping", self.where)
 
     def close(self) -> None:
-        self._pool.close()
-
-    # ------------------------------------------------------------------ operations
-    def _key(self, key: str) -> bytes:
-        return self._prefix + key.encode("ascii")
-
-    @staticmethod
-    def _replies(n: int) -> Callable[[RespConnection], list[Reply]]:
-        def read(conn: RespConnection) -> list[Reply]:
-            return [conn.read_reply() for _ in range(n)]
-
-        return read
-
-    def _flags(self, op: str, replies: list[Reply]) -> list[bool]:
-        """Integer replies (EXISTS, DEL) as booleans; any error reply raises."""
-        out = []
-        for reply in replies:
-            if isinstance(reply, ErrorReply):
-                raise error_for(reply, op, self.where)
-            if not isinstance(reply, int):  # bool is an int: the fast path's answers
-                raise BackendError(f"redis at {self.where}: {op} answered {reply!r}")
-            out.append(reply > 0)
-        return out
-
-    def _one_key_commands(self, command: bytes, keys: Sequence[str]) -> bytes:
-        head = b"*2\r\n$%d\r\n%s\r\n" % (len(command), command)
-        prefix = self._prefix
-        return b"".join(
-            [b"%s$%d\r\n%s%s\r\n" % (head, len(prefix) + len(k), prefix, k.encode()) for k in keys]
-        )
+        self._node.close()
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        payload = self._one_key_commands(b"EXISTS", keys)
-        n = len(keys)
-        replies = self._run("exists", [payload], lambda conn: conn.read_flags(n))
-        return self._flags("exists", replies)
+        payload = self._commands.one_key(b"EXISTS", keys)
+        replies = self._node.run("exists", [payload], Commands.read_flags(len(keys)))
+        return [flag(reply, "exists", self.where) for reply in replies]
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
-        payload = self._one_key_commands(b"DEL", keys)
-        n = len(keys)
-        replies = self._run("delete", [payload], lambda conn: conn.read_flags(n), retry=False)
-        return self._flags("delete", replies)
+        payload = self._commands.one_key(b"DEL", keys)
+        # Not retried: a DEL that ran before the connection broke would then answer 0.
+        replies = self._node.run("delete", [payload], Commands.read_flags(len(keys)), retry=False)
+        return [flag(reply, "delete", self.where) for reply in replies]
 
     def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
-        """``SET key value NX [PX ttl]`` per key: the first writer wins, a present key is a success.
-
-        ``OOM`` (the server is full and may not evict) is that key's failure, not an error
-        of the store: the page simply was not saved, like any dropped save.
-        """
-        batch = _Batch()
-        head = b"*%d\r\n$3\r\nSET\r\n" % self._set_argc
-        for key, value in zip(keys, values):
-            batch.add(head + _bulk(self._key(key)) + b"$%d\r\n" % value.nbytes)
-            batch.add_value(value)
-            batch.add(self._set_tail)
-        replies = self._run("put", batch.parts(), self._replies(len(keys)))
-        out = []
-        for reply in replies:
-            if isinstance(reply, ErrorReply):
-                if reply.code == "OOM":
-                    out.append(False)
-                    continue
-                raise error_for(reply, "put", self.where)
-            out.append(True)  # +OK: stored; nil: already present, left untouched
-        return out
+        """``SET key value NX [PX ttl]`` per key: the first writer wins; present is success."""
+        parts = self._commands.sets(keys, values)
+        replies = self._node.run("put", parts, Commands.read_replies(len(keys)))
+        return [stored(reply, "put", self.where) for reply in replies]
 
     def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """``GET`` per key, each value read straight into its buffer after a size check.
@@ -629,51 +884,13 @@ class RespClient:
         If this raises, any buffer of the batch may hold part of a value: the caller must
         treat all of them as unfilled (the connector fails the whole load).
         """
-        payload = self._one_key_commands(b"GET", keys)
-
-        def read(conn: RespConnection) -> list[bool | ErrorReply]:
-            return [conn.read_bulk_into(buf) for buf in buffers]
-
-        out = []
-        for result in self._run("get", [payload], read):
-            if isinstance(result, ErrorReply):
-                raise error_for(result, "get", self.where)
-            out.append(result)
-        return out
+        payload = self._commands.one_key(b"GET", keys)
+        results = self._node.run("get", [payload], Commands.read_values(buffers))
+        return [filled(result, "get", self.where) for result in results]
 
     def scan(self, prefix: str) -> Iterator[tuple[str, int]]:
-        """Keys under ``prefix`` with their sizes; SCAN + STRLEN, one batch per page."""
-        pattern = glob_escape(self._prefix + prefix.encode("ascii")) + b"*"
-        cursor = b"0"
-        seen: set[bytes] = set()  # SCAN may return a key more than once
-        while True:
-            reply = self._run(
-                "list",
-                [encode_command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"%d" % _SCAN_COUNT)],
-                lambda c: c.read_reply(),
-            )
-            if isinstance(reply, ErrorReply):
-                raise error_for(reply, "list", self.where)
-            if not (
-                isinstance(reply, list)
-                and len(reply) == 2
-                and isinstance(reply[0], bytes)
-                and isinstance(reply[1], list)
-            ):
-                raise BackendError(f"redis at {self.where}: SCAN answered {reply!r}")
-            cursor = reply[0]
-            found = [k for k in reply[1] if isinstance(k, bytes) and k not in seen]
-            seen.update(found)
-            if found:
-                payload = b"".join(b"*2\r\n$6\r\nSTRLEN\r\n" + _bulk(k) for k in found)
-                sizes = self._run("list", [payload], self._replies(len(found)))
-                for key, size in zip(found, sizes):
-                    if isinstance(size, ErrorReply):
-                        continue  # not a string: not one of our pages
-                    if isinstance(size, int) and size > 0:  # 0: deleted since SCAN
-                        yield key[len(self._prefix) :].decode("ascii"), size
-            if cursor == b"0":
-                return
+        """Keys under ``prefix`` with their sizes."""
+        return scan_node(self._node, self._commands.prefix, prefix, set())
 
 
 def _bulk(data: bytes) -> bytes:
