@@ -397,12 +397,41 @@ def test_a_full_store_drops_saves_as_false_and_never_yields_a_partial_value(
             backend.close()
 
 
-def test_with_two_replicas_every_value_still_loads_after_a_storage_process_dies(
+def test_with_two_replicas_every_value_loads_at_once_after_a_storage_process_dies(
     loopback_env: None,
 ) -> None:
-    _require_mooncake()
-    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=2) as pair:
+    # client_ttl=60: the master keeps listing the dead segment for the whole test, the
+    # window in which Mooncake's own client keeps choosing the dead copy.
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=60) as pair:
         backend = _open(_options(pair, replica_num=2))
+        try:
+            keys = [f"replicas/{i}" for i in range(20)]
+            values = [_value(i, 256 * 1024) for i in range(20)]
+            assert backend.put(keys, values) == [True] * 20
+            pair.kill_storage(0)
+            assert len(pair.segments()) == 2  # the master still lists the dead segment
+            for attempt in range(2):
+                buffers = [bytearray(len(v)) for v in values]
+                assert backend.get(keys, buffers) == [True] * 20, attempt
+                assert [bytes(b) for b in buffers] == values
+            counters = backend.counters
+            # Some keys' chosen copy was the dead one: read from the live copy instead...
+            assert counters["get_failover"] >= 2 * counters["get_transfer_failed"] > 0
+            # ...and the second pass skipped the dead endpoint instead of failing on it.
+            first_pass_failures = counters["get_transfer_failed"]
+            buffers = [bytearray(len(v)) for v in values]
+            assert backend.get(keys, buffers) == [True] * 20
+            assert counters["get_transfer_failed"] == first_pass_failures
+            assert counters["get_failed"] == 0
+        finally:
+            backend.close()
+
+
+def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_untouched(
+    loopback_env: None,
+) -> None:
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=2) as pair:
+        backend = _open(_options(pair, replica_num=2, read_failover=False))
         try:
             keys = [f"replicas/{i}" for i in range(20)]
             values = [_value(i, 256 * 1024) for i in range(20)]
@@ -412,8 +441,10 @@ def test_with_two_replicas_every_value_still_loads_after_a_storage_process_dies(
             # False and an untouched buffer, never an exception or wrong bytes.
             buffers = [bytearray(b"\xee" * len(v)) for v in values]
             found = backend.get(keys, buffers)
+            assert not all(found)
             for ok, buf, value in zip(found, buffers, values):
                 assert bytes(buf) == (value if ok else b"\xee" * len(value))
+            assert backend.counters["get_failover"] == 0
             deadline = time.monotonic() + 30
             while len(pair.segments()) > 1:
                 assert time.monotonic() < deadline, pair.segments()
@@ -423,6 +454,28 @@ def test_with_two_replicas_every_value_still_loads_after_a_storage_process_dies(
             assert [bytes(b) for b in buffers] == values
         finally:
             backend.close()
+
+
+def test_a_client_that_mounts_memory_serves_its_pages_to_others_with_the_shared_engine(
+    loopback_env: None,
+) -> None:
+    # Embedded mode: no storage process; the backend's own client contributes the
+    # segment, set up with the transfer engine kvconn starts for replica reads.
+    with MooncakeCluster(storage_processes=0) as bare:
+        host = _open(_options(bare, global_segment_size=32 * MiB))
+        reader = _open(_options(bare))
+        try:
+            assert host._reader is not None  # fail-over on: the client shares our engine
+            keys = [f"embedded/{i}" for i in range(8)]
+            values = [_value(i, 64 * 1024) for i in range(8)]
+            assert host.put(keys, values) == [True] * 8
+            assert len(bare.segments()) == 1
+            buffers = [bytearray(len(v)) for v in values]
+            assert reader.get(keys, buffers) == [True] * 8
+            assert [bytes(b) for b in buffers] == values
+        finally:
+            reader.close()
+            host.close()
 
 
 # ---------------------------------------------------------------- the connector on top
@@ -523,6 +576,7 @@ _MASTER = "127.0.0.1:1"
         ({"master_address": _MASTER, "probe_timeout_s": 0}, "option 'probe_timeout_s'"),
         ({"master_address": _MASTER, "scratch_bytes": 0}, "option 'scratch_bytes'"),
         ({"master_address": _MASTER, "read_env": "no"}, "option 'read_env'"),
+        ({"master_address": _MASTER, "read_failover": 1}, "option 'read_failover'"),
         ({"master_address": _MASTER, "no_such_option": 1}, "unknown option.*no_such_option"),
         ({"read_env": False}, "option 'master_address' is required"),
     ],

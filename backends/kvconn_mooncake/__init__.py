@@ -41,9 +41,13 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
   answers (checked by a TCP probe), and refused registrations are retried every few
   seconds; meanwhile that memory moves through the scratch area.
 * A dead storage process: until the master drops its segment (``client_ttl``, default
-  10 s), ``exists`` still reports its objects and reads of them fail with ``-800`` (no
-  fail-over to another replica inside a call): those keys read False, i.e. a failed load
-  that the engine recomputes. After the drop, other replicas (``replica_num`` ≥ 2) serve.
+  10 s), ``exists`` still reports its objects and the client keeps reading them from the
+  dead copy (``-800`` after a ~0.5 s connect timeout), even when another replica
+  (``replica_num`` ≥ 2) is alive. So the backend shares a transfer engine with the client
+  and, for such keys, reads the live copy itself at the address the size query returned
+  (:mod:`kvconn_mooncake._failover`); the failed endpoint is then bypassed for 30 s, so
+  later reads do not pay the timeout again. Keys whose only copy is gone read False: a
+  failed load that the engine recomputes.
 * Calling the client before ``setup()`` succeeded or after ``close()`` crashes the
   process (SIGSEGV), so every call checks the backend's state first: after
   :meth:`close` it raises :class:`BackendError`; while the master was unreachable at
@@ -51,7 +55,8 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
 
 No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 ``MooncakeBackend.counters`` counts what each path did (``put_zero_copy``,
-``put_scratch``, ``put_full``, ``get_zero_copy``, ``get_wrong_size``, ``get_failed`` …).
+``put_scratch``, ``put_full``, ``get_zero_copy``, ``get_wrong_size``, ``get_failover``,
+``get_failed`` …).
 
 Options (keyword arguments; ``load_backend("mooncake", {...})``). Those marked * may
 instead come from Mooncake's own configuration: the JSON file at ``MOONCAKE_CONFIG_PATH``
@@ -92,6 +97,10 @@ variables named; an explicit option always wins.
     (default 64 MiB; a larger single value gets room of its own size).
 ``read_env``
     Read ``MOONCAKE_CONFIG_PATH`` / ``MOONCAKE_*`` (default True).
+``read_failover``
+    Read from a live replica when the client's chosen one fails (default True). Needs
+    the client set up with a transfer engine kvconn starts (``mooncake.engine``); if
+    that cannot start, a warning says so and reads go through the client alone.
 """
 
 from __future__ import annotations
@@ -111,6 +120,7 @@ from kvconn.backend import Backend, Capabilities, as_bytes_view
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
 from kvconn_mooncake import _codes as codes
 from kvconn_mooncake._config import MooncakeConfig, make_config
+from kvconn_mooncake._failover import Copy, Read, ReplicaReader, Stored, make_engine
 from kvconn_mooncake._memory import Registry, Scratch, address_of
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -145,6 +155,7 @@ class MooncakeBackend(Backend):
         probe_timeout_s: float = 0.5,
         scratch_bytes: int | str = 64 * 2**20,
         read_env: bool = True,
+        read_failover: bool = True,
     ) -> None:
         """Check the options, then set the client up.
 
@@ -177,15 +188,19 @@ class MooncakeBackend(Backend):
             probe_timeout_s=probe_timeout_s,
             scratch_bytes=scratch_bytes,
             read_env=read_env,
+            read_failover=read_failover,
         )
         self._replicate = self._replicate_config()
         #: What each path did, per key or call: lets tests and operators see that the
         #: zero-copy path is taken and why saves were dropped or loads failed.
         self.counters: Counter[str] = Counter()
-        self._cond = threading.Condition(threading.Lock())
+        self._state = threading.Lock()  # guards _active / _closed; _cond waits on it
+        self._cond = threading.Condition(self._state)
         self._active = 0
         self._closed = False
         self._store: Any = None
+        #: Reads from explicit replicas through the client's transfer engine (None: off).
+        self._reader: ReplicaReader | None = None
         self._down = False
         self._setup_lock = threading.Lock()
         self._memory_lock = threading.RLock()
@@ -236,6 +251,7 @@ class MooncakeBackend(Backend):
         if store is not None:
             with contextlib.suppress(Exception):
                 store.close()
+        self._reader = None  # the engine goes after the client that shares it
 
     def _connect(self, *, at_start: bool) -> None:
         """``setup()`` a new client, behind a TCP probe of the master; register memory."""
@@ -250,9 +266,15 @@ class MooncakeBackend(Backend):
                     f"got {text!r}"
                 )
             retries = int(text)
+        shared = self._engine() if self.config.read_failover else None
         with _ENV_LOCK, _environment(_SETUP_RETRIES_ENV, str(retries)):
+            args = self.config.setup_args()
             try:
-                code = store.setup(*self.config.setup_args())
+                if shared is not None:
+                    engine, name = shared
+                    code = store.setup(name, *args[1:], engine.get_engine())
+                else:
+                    code = store.setup(*args)
             except Exception as exc:  # a pybind11 argument error: the options are wrong
                 raise ConfigError(f"mooncake: setup() rejected the options: {exc}") from exc
         if code != 0:
@@ -271,7 +293,24 @@ class MooncakeBackend(Backend):
             for entry in self._registry.entries():
                 entry.mooncake = self._register_with(store, entry.start, entry.end - entry.start)
         self._store = store
+        self._reader = ReplicaReader(shared[0]) if shared is not None else None
         self._down = False
+
+    def _engine(self) -> tuple[Any, str] | None:
+        """A transfer engine for the client to share, so reads can pick their replica."""
+        try:
+            from mooncake import engine as mooncake_engine
+        except (ImportError, OSError) as exc:
+            log.warning("kvconn: mooncake replica fail-over is off: %r", exc)
+            return None
+        config = self.config
+        return make_engine(
+            mooncake_engine,
+            config.local_hostname,
+            config.metadata_server,
+            config.protocol,
+            config.device_name,
+        )
 
     def _probe(self) -> None:
         """Fail fast when the master's port refuses connections (see the module doc)."""
@@ -301,7 +340,7 @@ class MooncakeBackend(Backend):
         :meth:`close` can wait for calls in flight. Plain methods rather than a context
         manager: this runs on every call, and ``exists`` is only ~0.1 ms of RPC.
         """
-        with self._cond:
+        with self._state:  # the lock itself: Condition.__enter__ is a Python-level call
             if self._closed:
                 raise BackendError(f"mooncake at {self.where}: the backend is closed")
             self._active += 1
@@ -320,9 +359,9 @@ class MooncakeBackend(Backend):
         return self._store
 
     def _leave(self) -> None:
-        with self._cond:
+        with self._state:
             self._active -= 1
-            if not self._active:
+            if self._closed and not self._active:  # only close() ever waits
                 self._cond.notify_all()
 
     def _codes(self, op: str, fn: Any, *args: Any) -> list[int]:
@@ -538,7 +577,8 @@ class MooncakeBackend(Backend):
         store = self._enter()
         try:
             results = self._codes("exists", store.batch_is_exist, keys)
-            self._check_exists(results, len(keys))
+            if len(results) != len(keys) or (results and min(results) < 0):
+                self._check_exists(results, len(keys))  # raises, naming the problem
             return cast("list[bool]", results)  # 1/0 once negatives raised; bool() is applied
         finally:
             self._leave()
@@ -598,43 +638,111 @@ class MooncakeBackend(Backend):
         ok = [False] * len(keys)
         store = self._enter()
         try:
-            sizes = self._stored_sizes(store, list(groups))
-            reads: list[tuple[str, int, list[int]]] = []  # key, buffer read into, copies
+            stored = self._stored_sizes(store, list(groups))
+            reader = self._reader
+            avoid = reader.failed_endpoints() if reader is not None else set()
+            direct: list[_Pending] = []  # through the client
+            rerouted: list[_Pending] = []  # copies on an endpoint known to fail: bypass it
             for key, positions in groups.items():
-                size = sizes.get(key)
-                if size is None:
+                found = stored.get(key)
+                if found is None:
                     self.counters["get_miss"] += len(positions)
                     continue
-                fitting = [i for i in positions if buffers[i].nbytes == size]
+                fitting = [i for i in positions if buffers[i].nbytes == found.size]
                 self.counters["get_wrong_size"] += len(positions) - len(fitting)
-                if fitting:
-                    reads.append((key, fitting[0], fitting[1:]))
-            targets = [buffers[i] for _, i, _ in reads]
-            for round_ in self._plan(targets):
-                round_keys = [reads[j][0] for j in round_.items]
-                lengths = [targets[j].nbytes for j in round_.items]
-                with self._memory(round_) as (addresses, area):
-                    results = self._codes(
-                        "get", store.batch_get_into, round_keys, addresses, lengths
-                    )
-                    for n, (j, code) in enumerate(zip(round_.items, results)):
-                        key, target, copies = reads[j]
-                        offset = round_.offsets[n]
-                        if code != lengths[n]:
-                            self._count_get_failure(key, code, lengths[n], offset >= 0)
-                            continue
-                        if area is not None and offset >= 0:
-                            buffers[target][:] = area[offset : offset + code]
-                            self.counters["get_scratch"] += 1
-                        else:
-                            self.counters["get_zero_copy"] += 1
-                        ok[target] = True
-                        for other in copies:
-                            buffers[other][:] = buffers[target]
-                            ok[other] = True
+                if not fitting:
+                    continue
+                pending = _Pending(key, fitting[0], fitting[1:], found)
+                if reader is not None and reader.should_bypass(found, avoid):
+                    rerouted.append(pending)
+                else:
+                    direct.append(pending)
+            rerouted += self._read_through_client(store, direct, buffers, ok)
+            if rerouted and reader is not None:
+                self._read_from_replicas(reader, rerouted, buffers, ok)
         finally:
             self._leave()
         return ok
+
+    def _read_through_client(
+        self, store: Any, reads: list[_Pending], buffers: list[memoryview], ok: list[bool]
+    ) -> list[_Pending]:
+        """``batch_get_into``; returns the failed reads another replica could serve."""
+        retry: list[_Pending] = []
+        targets = [buffers[r.target] for r in reads]
+        for round_ in self._plan(targets):
+            round_reads = [reads[j] for j in round_.items]
+            lengths = [targets[j].nbytes for j in round_.items]
+            with self._memory(round_) as (addresses, area):
+                results = self._codes(
+                    "get", store.batch_get_into, [r.key for r in round_reads], addresses, lengths
+                )
+                for n, (read, code) in enumerate(zip(round_reads, results)):
+                    offset = round_.offsets[n]
+                    if code == lengths[n]:
+                        self._finish(read, buffers, ok, area, offset)
+                    elif code == codes.TRANSFER_FAIL and self._reader is not None:
+                        self.counters["get_transfer_failed"] += 1
+                        # The chosen copy's process is gone but the master still lists
+                        # it. With one copy, remember its endpoint so keys that also
+                        # have a copy elsewhere skip it; with more, try those.
+                        if len(read.stored.copies) > 1:
+                            retry.append(read)
+                        else:
+                            self._reader.mark_failed(c.endpoint for c in read.stored.copies)
+                            self._count_get_failure(read.key, code, lengths[n], offset >= 0)
+                    else:
+                        self._count_get_failure(read.key, code, lengths[n], offset >= 0)
+        return retry
+
+    def _read_from_replicas(
+        self,
+        reader: ReplicaReader,
+        reads: list[_Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
+    ) -> None:
+        """Read keys from explicit replicas, skipping endpoints whose transfers failed."""
+        targets = [buffers[r.target] for r in reads]
+        for round_ in self._plan(targets):
+            round_reads = [reads[j] for j in round_.items]
+            with self._memory(round_) as (addresses, area):
+                done = reader.read(
+                    [
+                        Read(r.key, address, r.stored.size, r.stored.copies)
+                        for r, address in zip(round_reads, addresses)
+                    ]
+                )
+                for n, (read, success) in enumerate(zip(round_reads, done)):
+                    if success:
+                        self._finish(read, buffers, ok, area, round_.offsets[n], failover=True)
+                    else:
+                        self.counters["get_failed"] += 1
+                        log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
+
+    def _finish(
+        self,
+        read: _Pending,
+        buffers: list[memoryview],
+        ok: list[bool],
+        area: memoryview | None,
+        offset: int,
+        *,
+        failover: bool = False,
+    ) -> None:
+        """A read landed: copy it out of scratch if it went there, and to duplicates."""
+        target = buffers[read.target]
+        if area is not None and offset >= 0:
+            target[:] = area[offset : offset + target.nbytes]
+            self.counters["get_scratch"] += 1
+        else:
+            self.counters["get_zero_copy"] += 1
+        if failover:
+            self.counters["get_failover"] += 1
+        ok[read.target] = True
+        for other in read.duplicates:
+            buffers[other][:] = target
+            ok[other] = True
 
     def _count_get_failure(self, key: str, code: int, expected: int, via_scratch: bool) -> None:
         if code in codes.ABSENT:
@@ -657,8 +765,10 @@ class MooncakeBackend(Backend):
             self.counters["get_failed"] += 1  # e.g. -800: its segment's process died
             log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
 
-    def _stored_sizes(self, store: Any, keys: list[str], retried: bool = False) -> dict[str, int]:
-        """Sizes of the keys that have a complete replica; raises if the store failed.
+    def _stored_sizes(
+        self, store: Any, keys: list[str], retried: bool = False
+    ) -> dict[str, Stored]:
+        """Size and copies of each key that has a complete replica; raises if the store failed.
 
         ``batch_get_replica_desc`` leaves out absent keys *and* answers ``{}`` when the
         master is down, so keys it leaves out are confirmed with ``batch_is_exist``,
@@ -666,26 +776,34 @@ class MooncakeBackend(Backend):
         """
         described = self._invoke("batch_get_replica_desc", store.batch_get_replica_desc, keys)
         complete = self._mc.ReplicaStatus.COMPLETE
-        sizes: dict[str, int] = {}
+        stored: dict[str, Stored] = {}
         for key, replicas in described.items():
+            size = -1
+            copies: list[Copy] = []
             for replica in replicas:
                 if replica.status != complete:
                     continue  # a put in flight, or a replica being removed
                 if replica.is_memory_replica():
-                    sizes[key] = int(replica.get_memory_descriptor().buffer_descriptor.size)
-                else:
-                    sizes[key] = int(replica.get_disk_descriptor().object_size)
-                break
-        unknown = [k for k in keys if k not in sizes]
+                    buffer = replica.get_memory_descriptor().buffer_descriptor
+                    if size in (-1, int(buffer.size)):
+                        size = int(buffer.size)
+                        copies.append(
+                            Copy(str(buffer.transport_endpoint), int(buffer.buffer_address))
+                        )
+                elif size == -1:
+                    size = int(replica.get_disk_descriptor().object_size)
+            if size >= 0:
+                stored[key] = Stored(size, tuple(copies))
+        unknown = [k for k in keys if k not in stored]
         if not unknown:
             self._down = False
-            return sizes
+            return stored
         results = self._codes("exists", store.batch_is_exist, unknown)
         self._check_exists(results, len(unknown))
         present = [k for k, r in zip(unknown, results) if r == 1]
         if present and not retried:  # an answer lost to a restart, or a put just finished
-            sizes.update(self._stored_sizes(store, present, retried=True))
-        return sizes
+            stored.update(self._stored_sizes(store, present, retried=True))
+        return stored
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         """``batch_remove(force=True)``: every read takes a 10 s lease that blocks removal."""
@@ -716,6 +834,16 @@ def _tcp_problem(target: tuple[str, int], timeout: float) -> str | None:
     except OSError as exc:
         return str(exc) or type(exc).__name__
     return None
+
+
+@dataclass
+class _Pending:
+    """A key to read once: the buffer it lands in, and buffers that want the same key."""
+
+    key: str
+    target: int
+    duplicates: list[int]
+    stored: Stored
 
 
 @dataclass

@@ -89,6 +89,7 @@ class MooncakeConfig:
     setup_retries: int | None
     probe_timeout_s: float
     scratch_bytes: int
+    read_failover: bool
     #: setting -> where its value came from ("option", "MOONCAKE_MASTER", "file.json", …)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -247,6 +248,7 @@ def make_config(
     probe_timeout_s: object,
     scratch_bytes: object,
     read_env: object,
+    read_failover: object = True,
     environ: Mapping[str, str] | None = None,
 ) -> MooncakeConfig:
     """Merge explicit ``options`` (None = not given) with Mooncake's settings; check all."""
@@ -301,6 +303,8 @@ def make_config(
         raise ConfigError(
             f"mooncake: option 'probe_timeout_s' must be a number > 0, got {probe_timeout_s!r}"
         )
+    if not isinstance(read_failover, bool):
+        raise ConfigError(f"mooncake: option 'read_failover' must be a bool, got {read_failover!r}")
     scratch = parse_size(scratch_bytes, "option 'scratch_bytes'")
     if scratch < 1:
         raise ConfigError(f"mooncake: option 'scratch_bytes' must be > 0, got {scratch_bytes!r}")
@@ -317,5 +321,6 @@ def make_config(
         setup_retries=setup_retries,
         probe_timeout_s=float(probe_timeout_s),
         scratch_bytes=scratch,
+        read_failover=read_failover,
         sources={name: source for name, (_, source) in merged.items()},
     )
