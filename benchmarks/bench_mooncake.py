@@ -71,24 +71,6 @@ def timed(fn: Callable[[int], None], rounds: int) -> float:
     return time.perf_counter() - start
 
 
-def raw_client(options: dict[str, Any], *, segment: int = 0, local_buffer: int = 0) -> Any:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    code = store.setup(
-        options["local_hostname"],
-        options["metadata_server"],
-        segment,
-        local_buffer,
-        "tcp",
-        "",
-        options["master_address"],
-    )
-    if code != 0:
-        raise RuntimeError(f"setup() failed with {code}")
-    return store
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep transfers on loopback
@@ -105,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with MooncakeCluster(storage_processes=0 if embedded else 1, segment_size=segment) as cluster:
         options = {**cluster.options, "read_env": False}
-        host = raw_client(options, segment=segment) if embedded else None
+        host = cluster.client(segment_size=segment) if embedded else None
         kv: Any = load_backend("mooncake", options)
-        raw = raw_client(options)
-        copying = raw_client(options, local_buffer=2 * span + 16 * MiB)
+        raw: Any = cluster.client()
+        copying: Any = cluster.client(local_buffer_size=2 * span + 16 * MiB)
 
         payload = os.urandom(span)
         kv_src, kv_dst = bytearray(payload), bytearray(span)

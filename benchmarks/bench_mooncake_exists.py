@@ -49,23 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)
         return 2
-    from mooncake.store import MooncakeDistributedStore
-
     with MooncakeCluster(storage_processes=1, segment_size=64 * 2**20) as cluster:
         options: dict[str, Any] = {**cluster.options, "read_env": False}
         kv: Any = load_backend("mooncake", options)
-        raw = MooncakeDistributedStore()
-        code = raw.setup(
-            options["local_hostname"],
-            options["metadata_server"],
-            0,
-            0,
-            "tcp",
-            "",
-            options["master_address"],
-        )
-        if code != 0:
-            raise RuntimeError(f"setup() failed with {code}")
+        raw: Any = cluster.client()
         keys = [f"bench/exists/{i:05d}/page-0123456789abcdef" for i in range(args.keys)]
         assert all(kv.put(keys, [b"x" * 1024] * len(keys)))
         limit = kv.max_key_length

@@ -577,8 +577,7 @@ class MooncakeBackend(Backend):
         store = self._enter()
         try:
             results = self._codes("exists", store.batch_is_exist, keys)
-            if len(results) != len(keys) or (results and min(results) < 0):
-                self._check_exists(results, len(keys))  # raises, naming the problem
+            self._check_exists(results, len(keys))
             return cast("list[bool]", results)  # 1/0 once negatives raised; bool() is applied
         finally:
             self._leave()
@@ -657,7 +656,7 @@ class MooncakeBackend(Backend):
                     rerouted.append(pending)
                 else:
                     direct.append(pending)
-            rerouted += self._read_through_client(store, direct, buffers, ok)
+            rerouted += self._read_through_client(store, reader, direct, buffers, ok)
             if rerouted and reader is not None:
                 self._read_from_replicas(reader, rerouted, buffers, ok)
         finally:
@@ -665,7 +664,12 @@ class MooncakeBackend(Backend):
         return ok
 
     def _read_through_client(
-        self, store: Any, reads: list[_Pending], buffers: list[memoryview], ok: list[bool]
+        self,
+        store: Any,
+        reader: ReplicaReader | None,
+        reads: list[_Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
     ) -> list[_Pending]:
         """``batch_get_into``; returns the failed reads another replica could serve."""
         retry: list[_Pending] = []
@@ -681,7 +685,7 @@ class MooncakeBackend(Backend):
                     offset = round_.offsets[n]
                     if code == lengths[n]:
                         self._finish(read, buffers, ok, area, offset)
-                    elif code == codes.TRANSFER_FAIL and self._reader is not None:
+                    elif code == codes.TRANSFER_FAIL and reader is not None:
                         self.counters["get_transfer_failed"] += 1
                         # The chosen copy's process is gone but the master still lists
                         # it. With one copy, remember its endpoint so keys that also
@@ -689,7 +693,7 @@ class MooncakeBackend(Backend):
                         if len(read.stored.copies) > 1:
                             retry.append(read)
                         else:
-                            self._reader.mark_failed(c.endpoint for c in read.stored.copies)
+                            reader.mark_failed(c.endpoint for c in read.stored.copies)
                             self._count_get_failure(read.key, code, lengths[n], offset >= 0)
                     else:
                         self._count_get_failure(read.key, code, lengths[n], offset >= 0)

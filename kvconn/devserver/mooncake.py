@@ -51,7 +51,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 from kvconn.config import parse_size as parse_bytes
 from kvconn.devserver import _live
@@ -402,6 +402,28 @@ class MooncakeCluster:
             "global_segment_size": 0,
             "local_buffer_size": self.local_buffer_size,
         }
+
+    def client(self, *, segment_size: int = 0, local_buffer_size: int = 0) -> Any:
+        """A bare ``MooncakeDistributedStore`` set up against this cluster (no kvconn).
+
+        For benchmarks and experiments that compare kvconn with the raw client; close it
+        before the cluster stops. ``segment_size`` > 0 mounts memory in this process.
+        """
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        code = store.setup(
+            self.host,
+            self.metadata_server,
+            segment_size,
+            local_buffer_size,
+            "tcp",
+            "",
+            self.master_address,
+        )
+        if code != 0:
+            raise RuntimeError(f"mooncake setup() against {self.master_address} gave {code}")
+        return store
 
     # -- state -------------------------------------------------------------- #
 
