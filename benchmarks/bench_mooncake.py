@@ -4,8 +4,8 @@ Three columns, same batches, interleaved in one run (best of ``--repeats``, beca
 shared machine is noisy):
 
 * ``kvconn`` - :class:`kvconn_mooncake.MooncakeBackend` with its buffers registered, as
-  the connector uses it (``batch_put_from`` / size check + ``batch_get_into`` /
-  ``batch_is_exist``);
+  the connector uses it (``batch_put_from`` / ``batch_get_into`` into staging, which the
+  connector declares scratch / ``batch_is_exist``);
 * ``raw zero-copy`` - a bare ``MooncakeDistributedStore`` making the same zero-copy
   calls on registered memory, without kvconn's checks: the ceiling kvconn can reach;
 * ``raw copying`` - Mooncake's copying API (``put_batch`` of bytes, ``get_batch`` plus
@@ -13,7 +13,9 @@ shared machine is noisy):
 
 ``kvconn`` passes its keys as the connector does, in a :class:`kvconn.backend.VettedKeys`
 batch (checked once at start-up); the ``exists (list)`` row passes a plain list, which
-the backend checks on every call, as it must for any other caller.
+the backend checks on every call, as it must for any other caller. The ``get (checked)``
+row reads without ``scratch=True``, as any other caller does: sizes are asked first
+(one ``batch_get_replica_desc``) so a buffer of the wrong size stays untouched.
 
 ``kvconn/raw`` is the cost of kvconn's layer (target >= 0.95); ``zero-copy/copying`` is
 what registration buys (target >= 3x). ``--storage process`` keeps the data in a
@@ -136,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed = keys("read", 0)
 
         def kv_get(_r: int) -> None:
+            assert all(kv.get(VettedKeys.unchecked(fixed, limit), kv_dst_views, scratch=True))
+
+        def kv_get_checked(_r: int) -> None:
             assert all(kv.get(VettedKeys.unchecked(fixed, limit), kv_dst_views))
 
         def raw_get(_r: int) -> None:
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         exists_rounds = rounds * 20  # no payload: more rounds for a stable figure
         puts = (("kvconn", kv_put), ("raw zero-copy", raw_put), ("raw copying", copy_put))
         gets = (("kvconn", kv_get), ("raw zero-copy", raw_get), ("raw copying", copy_get))
+        gets_checked = (("kvconn", kv_get_checked), ("raw zero-copy", raw_get))
         exists = (("kvconn", kv_exists), ("raw zero-copy", raw_exists))
         exists_list = (("kvconn", kv_exists_list), ("raw zero-copy", raw_exists))
         for rep in range(args.repeats):
@@ -174,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             assert all(kv.put(fixed, kv_src_views))
             for impl, fn in gets[rep % 3 :] + gets[: rep % 3]:
                 keep("get", impl, rounds * batch / timed(fn, rounds))
+            for impl, fn in gets_checked[rep % 2 :] + gets_checked[: rep % 2]:
+                keep("get (checked)", impl, rounds * batch / timed(fn, rounds))
             for op, pair in (("exists", exists), ("exists (list)", exists_list)):
                 for impl, fn in pair[rep % 2 :] + pair[: rep % 2]:
                     keep(op, impl, exists_rounds * batch / timed(fn, exists_rounds))
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'op':<14}" + "".join(f"{name:>26}" for name in impls)
     header += f"{'kvconn/raw':>12}{'zero-copy/copying':>19}"
     print(header)
-    for op in ("put", "get", "exists", "exists (list)"):
+    for op in ("put", "get", "get (checked)", "exists", "exists (list)"):
         cells = []
         for impl in impls:
             ops = best.get((op, impl))

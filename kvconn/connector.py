@@ -360,7 +360,9 @@ class Connector:
                 buffers.append(view[offset + i * size : offset + (i + 1) * size])
             offset += n * size
         try:
-            ok = self._call("get", lambda: self.backend.get(self._vetted(keys), buffers))
+            ok = self._call(
+                "get", lambda: self.backend.get(self._vetted(keys), buffers, scratch=True)
+            )
         except _Skipped:
             return 0
         good = n

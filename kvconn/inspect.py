@@ -365,7 +365,7 @@ def read_manifests(fp: Footprint, backend: Backend, prefix: str = "") -> None:
     if not todo:
         return
     buffers = [bytearray(m.size) for m in todo]
-    ok = backend.get([m.key for m in todo], buffers)
+    ok = backend.get([m.key for m in todo], buffers, scratch=True)  # used only where good
     for m, buf, good in zip(todo, buffers, ok):
         fp.set_manifest_value(m.key, bytes(buf) if good else None)
 

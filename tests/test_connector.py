@@ -4,9 +4,11 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvconn.backend as backend_module
-from kvconn.backend import VettedKeys
+from kvconn.backend import VettedKeys, as_bools
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import BackendUnavailable, ConfigError, InvalidKeyError
@@ -140,6 +142,30 @@ def test_a_failed_page_fails_its_block_and_every_later_block(store):
             layout, writers[6].pools, src
         )
     assert readers[6].stats.pages("failed") == 3 * 2
+
+
+class _ScribblingStore(DictBackend):
+    """Uses its licence under ``get(scratch=True)``: every buffer is scribbled on first."""
+
+    def _get_scratch(self, keys, buffers):  # type: ignore[no-untyped-def]
+        for buffer in buffers:
+            buffer[:] = b"\xee" * buffer.nbytes
+        return self._get(keys, buffers)
+
+
+def test_bytes_a_failed_scratch_get_leaves_in_staging_never_reach_a_slot():
+    store = _ScribblingStore()
+    layout = minimax_m3(tp_size=8)
+    writers = tp_group(layout, store)
+    save_all(writers)
+    del store.data[next(k for k in store.data if "/w8r2/" in k and k.endswith(HASHES[2].hex()))]
+    reader = tp_group(layout, store, fill=False)[2]
+    result = reader.load(HASHES, SLOTS)
+    assert result.loaded == 2 and result.failed == (2, 3, 4, 5)
+    for slot in SLOTS[2:]:
+        assert set(slot_bytes(layout, reader.pools, slot)) == {0}
+    for slot in SLOTS[:2]:
+        assert slot_bytes(layout, reader.pools, slot) == slot_bytes(layout, writers[2].pools, slot)
 
 
 def test_a_stored_page_of_the_wrong_size_is_a_failed_load(store):
@@ -455,6 +481,7 @@ class _KeyRecorder(DictBackend):
     def __init__(self) -> None:
         super().__init__()
         self.batches: list[type] = []
+        self.scratch: list[bool] = []
 
     def exists(self, keys):  # type: ignore[no-untyped-def]
         self.batches.append(type(keys))
@@ -464,9 +491,10 @@ class _KeyRecorder(DictBackend):
         self.batches.append(type(keys))
         return super().put(keys, values)
 
-    def get(self, keys, buffers):  # type: ignore[no-untyped-def]
+    def get(self, keys, buffers, *, scratch=False):  # type: ignore[no-untyped-def]
         self.batches.append(type(keys))
-        return super().get(keys, buffers)
+        self.scratch.append(scratch)
+        return super().get(keys, buffers, scratch=scratch)
 
 
 def test_the_connector_hands_backends_key_batches_it_has_already_vetted():
@@ -476,6 +504,7 @@ def test_the_connector_hands_backends_key_batches_it_has_already_vetted():
     assert group[0].lookup(HASHES).blocks == len(HASHES)
     assert group[1].load(HASHES, SLOTS).ok
     assert store.batches and set(store.batches) == {VettedKeys}
+    assert store.scratch == [True]  # loads land in staging; only good pages are scattered
 
 
 def test_a_vetted_batch_skips_the_per_call_key_check(monkeypatch):
@@ -503,3 +532,17 @@ def test_a_batch_vetted_for_a_longer_limit_is_checked_against_the_backends_own()
     keys = VettedKeys.unchecked([long_key], store.max_key_length + 100)
     with pytest.raises(InvalidKeyError, match="exceeds the limit"):
         store.exists(keys)
+
+
+_ANSWER = st.one_of(st.booleans(), st.integers(-2, 300), st.none(), st.floats(allow_nan=False))
+
+
+@given(st.one_of(st.lists(_ANSWER), st.tuples(_ANSWER, _ANSWER), st.binary()))
+def test_backend_answers_become_the_same_bools_as_bool_of_each(answers):
+    assert as_bools(answers) == [bool(a) for a in answers]
+
+
+@pytest.mark.parametrize("hits", [0, 1, 37, 64])
+def test_prefix_shaped_answers_become_bools_of_each(hits):
+    for answers in ([1] * hits + [0] * (64 - hits), [True] * hits + [False] * (64 - hits)):
+        assert as_bools(answers) == [True] * hits + [False] * (64 - hits)

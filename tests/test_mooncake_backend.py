@@ -168,6 +168,12 @@ def test_registered_memory_moves_with_batch_put_from_and_batch_get_into_only(
         }
         assert backend.counters["put_zero_copy"] == 4 and backend.counters["put_scratch"] == 0
         assert backend.counters["get_zero_copy"] == 4 and backend.counters["get_scratch"] == 0
+        view[4 * MiB :] = bytes(4 * MiB)
+        counting = _count_calls(backend)
+        assert backend.get(keys, dest, scratch=True) == [True] * 4
+        _uncount(backend, counting)
+        assert bytes(view[4 * MiB :]) == _value(1, 4 * MiB)
+        assert counting.calls == {"batch_get_into": 1}  # scratch buffers: no size check
     finally:
         backend.unregister_buffer(view)
 
@@ -267,6 +273,74 @@ def test_a_value_read_before_can_still_be_deleted(backend: Any, prefix: str) -> 
     assert backend.get([key], [bytearray(6)]) == [True]
     assert backend.delete([key, key]) == [True, True]
     assert backend.exists([key]) == [False]
+
+
+class _ScriptedExists:
+    """The real client, but ``batch_is_exist`` answers the codes a test gives it."""
+
+    def __init__(self, store: Any, answers: list[int]) -> None:
+        self._store = store
+        self.answers = answers
+        self.calls = 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.calls += 1
+        return list(self.answers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [[1, -704, 0], [-1, -1, -1], [0, 0, -200]],
+    ids=["object-not-found", "internal-error", "no-handle"],
+)
+def test_a_negative_exists_code_raises_naming_it_and_never_reads_as_a_miss(
+    backend: Any, answers: list[int]
+) -> None:
+    real = backend._store
+    backend._store = _ScriptedExists(real, answers)
+    try:
+        worst = str(min(answers))
+        with pytest.raises(BackendError, match=f"exists failed with {worst} "):
+            backend.exists(["k/1", "k/2", "k/3"])
+    finally:
+        backend._store = real
+
+
+def test_an_exists_answer_of_the_wrong_length_raises(backend: Any) -> None:
+    real = backend._store
+    backend._store = _ScriptedExists(real, [1, 0])
+    try:
+        with pytest.raises(BackendError, match="answered 2/3"):
+            backend.exists(["k/1", "k/2", "k/3"])
+    finally:
+        backend._store = real
+
+
+def test_exists_asks_once_more_after_a_lost_master_and_then_reports_it_unavailable(
+    backend: Any,
+) -> None:
+    real = backend._store
+    scripted = backend._store = _ScriptedExists(real, [-900, -900])
+    try:
+        with pytest.raises(BackendUnavailable, match="-900"):
+            backend.exists(["k/1", "k/2"])
+        assert scripted.calls == 2  # the master's port answers, so the call was repeated
+        scripted.answers = [1, 0]
+        assert backend.exists(["k/1", "k/2"]) == [True, False]
+    finally:
+        backend._store = real
+
+
+def test_exists_answers_any_mix_of_hits_and_misses_per_key(backend: Any, prefix: str) -> None:
+    keys = [f"{prefix}/{i}" for i in range(12)]
+    stored = [0, 1, 2, 5, 8, 11]
+    assert backend.put([keys[i] for i in stored], [b"v"] * len(stored)) == [True] * 6
+    assert backend.exists(keys) == [i in stored for i in range(12)]
+    assert backend.exists(keys[:3]) == [True] * 3
+    assert backend.exists(keys[3:5]) == [False] * 2
 
 
 # ---------------------------------------------------------------- lifecycle and faults
@@ -397,8 +471,9 @@ def test_a_full_store_drops_saves_as_false_and_never_yields_a_partial_value(
             backend.close()
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
 def test_with_two_replicas_every_value_loads_at_once_after_a_storage_process_dies(
-    loopback_env: None,
+    loopback_env: None, scratch: bool
 ) -> None:
     # client_ttl=60: the master keeps listing the dead segment for the whole test, the
     # window in which Mooncake's own client keeps choosing the dead copy.
@@ -412,7 +487,7 @@ def test_with_two_replicas_every_value_loads_at_once_after_a_storage_process_die
             assert len(pair.segments()) == 2  # the master still lists the dead segment
             for attempt in range(2):
                 buffers = [bytearray(len(v)) for v in values]
-                assert backend.get(keys, buffers) == [True] * 20, attempt
+                assert backend.get(keys, buffers, scratch=scratch) == [True] * 20, attempt
                 assert [bytes(b) for b in buffers] == values
             counters = backend.counters
             # Some keys' chosen copy was the dead one: read from the live copy instead...
@@ -420,7 +495,7 @@ def test_with_two_replicas_every_value_loads_at_once_after_a_storage_process_die
             # ...and the second pass skipped the dead endpoint instead of failing on it.
             first_pass_failures = counters["get_transfer_failed"]
             buffers = [bytearray(len(v)) for v in values]
-            assert backend.get(keys, buffers) == [True] * 20
+            assert backend.get(keys, buffers, scratch=scratch) == [True] * 20
             assert counters["get_transfer_failed"] == first_pass_failures
             assert counters["get_failed"] == 0
         finally:

@@ -26,6 +26,11 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
   ``COMPLETE`` replicas count, so a put still in flight reads as a miss, never torn.
   Duplicate keys are read once and copied: ``batch_get_into`` with a key twice reports
   success for both but fills only one buffer.
+* ``get(..., scratch=True)`` (the connector's reads, into staging) skips that query:
+  a failed key may leave bytes in a scratch buffer, and a wrong size is still told
+  apart (``-600`` for a buffer too small, nothing written; the value's length when the
+  buffer is larger). ``batch_get_into`` takes the read lease itself. Copies are only
+  described for keys whose transfer failed, to read them from another replica.
 * ``-900`` (master unreachable) raises :class:`BackendUnavailable`. Against a dead master
   Mooncake blocks each call ~4.4 s and no timeout knob shortens it, so after one such
   failure the backend first tries a TCP connection to the master (``probe_timeout_s``)
@@ -44,7 +49,7 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
   10 s), ``exists`` still reports its objects and the client keeps reading them from the
   dead copy (``-800`` after a ~0.5 s connect timeout), even when another replica
   (``replica_num`` ≥ 2) is alive. So the backend shares a transfer engine with the client
-  and, for such keys, reads the live copy itself at the address the size query returned
+  and, for such keys, reads the live copy itself at the address the replica query returned
   (:mod:`kvconn_mooncake._failover`); the failed endpoint is then bypassed for 30 s, so
   later reads do not pay the timeout again. Keys whose only copy is gone read False: a
   failed load that the engine recomputes.
@@ -291,7 +296,9 @@ class MooncakeBackend(Backend):
             raise BackendUnavailable(message)
         with self._memory_lock:
             for entry in self._registry.entries():
-                entry.mooncake = self._register_with(store, entry.start, entry.end - entry.start)
+                self._registry.mark(
+                    entry, self._register_with(store, entry.start, entry.end - entry.start)
+                )
         self._store = store
         self._reader = ReplicaReader(shared[0]) if shared is not None else None
         self._down = False
@@ -344,6 +351,9 @@ class MooncakeBackend(Backend):
             if self._closed:
                 raise BackendError(f"mooncake at {self.where}: the backend is closed")
             self._active += 1
+        store = self._store
+        if store is not None and not (self._down or self._stale or self._registry.any_failed):
+            return store  # the common case: one test of four plain attributes
         try:
             if self._store is None:
                 with self._setup_lock:
@@ -365,17 +375,43 @@ class MooncakeBackend(Backend):
                 self._cond.notify_all()
 
     def _codes(self, op: str, fn: Any, *args: Any) -> list[int]:
-        """Call a client method that answers per-key codes; raise for store failures.
+        """Call a client method that answers per-key codes; raise for store failures."""
+        results: list[int] = self._invoke(op, fn, *args)
+        if not results or min(results) >= 0:  # the common case, checked at C speed
+            self._down = False
+            return results
+        return self._recover(op, fn, args, results)
+
+    def _exist_codes(self, store: Any, keys: list[str]) -> Sequence[int]:
+        """``batch_is_exist``'s 1/0 per key; raises rather than answer a failure as absent.
+
+        The check runs on every lookup and costs more than it seems: ``min()`` and
+        ``map(bool)`` over 64 codes are ~3 µs here against ~90 µs for the RPC itself.
+        ``bytes()`` refuses negative codes at C speed, and the packed flags are what
+        :func:`kvconn.backend.as_bools` converts fastest.
+        """
+        n = len(keys)
+        results: list[int] = self._invoke("exists", store.batch_is_exist, keys)
+        try:
+            flags = bytes(results)
+        except (ValueError, TypeError):  # a negative code, or not ints at all
+            pass
+        else:
+            if len(flags) == n and flags.count(1) + flags.count(0) == n:
+                self._down = False
+                return flags
+        results = self._recover("exists", store.batch_is_exist, (keys,), results)
+        self._check_exists(results, n)
+        return results
+
+    def _recover(self, op: str, fn: Any, args: tuple[Any, ...], results: list[int]) -> list[int]:
+        """Handle an answer with negative codes: retry once after a lost master; raise.
 
         After a master restart the client's old RPC connection fails once at once with
         ``-900``; if the master's port then accepts a connection the call is repeated
         once (puts never overwrite and reads are idempotent), otherwise it raises
         without the ~4.4 s a second call to a dead master would cost.
         """
-        results: list[int] = self._invoke(op, fn, *args)
-        if not results or min(results) >= 0:  # the common case, checked at C speed
-            self._down = False
-            return results
         if any(code in codes.UNAVAILABLE for code in results):
             self._down = True
             self._probe()
@@ -430,7 +466,7 @@ class MooncakeBackend(Backend):
         with self._memory_lock:
             entry = self._registry.add(view, start)
             if self._store is not None:
-                entry.mooncake = self._register_with(self._store, start, view.nbytes)
+                self._registry.mark(entry, self._register_with(self._store, start, view.nbytes))
 
     def unregister_buffer(self, buffer: memoryview) -> None:
         view = as_bytes_view(buffer, "registered buffer")
@@ -518,7 +554,9 @@ class MooncakeBackend(Backend):
         with self._memory_lock:
             self._drop_stale(store)
             for entry in self._registry.failed():
-                entry.mooncake = self._register_with(store, entry.start, entry.end - entry.start)
+                self._registry.mark(
+                    entry, self._register_with(store, entry.start, entry.end - entry.start)
+                )
 
     def _plan(self, views: Sequence[memoryview]) -> list[_Round]:
         """Split transfers into rounds that each fit the scratch area.
@@ -576,9 +614,8 @@ class MooncakeBackend(Backend):
     def _exists(self, keys: list[str]) -> Sequence[bool]:
         store = self._enter()
         try:
-            results = self._codes("exists", store.batch_is_exist, keys)
-            self._check_exists(results, len(keys))
-            return cast("list[bool]", results)  # 1/0 once negatives raised; bool() is applied
+            # 1/0 per key; Backend.exists turns them into bools
+            return cast("list[bool]", self._exist_codes(store, keys))
         finally:
             self._leave()
 
@@ -630,10 +667,63 @@ class MooncakeBackend(Backend):
             self.counters["put_failed"] += 1
             log.debug("kvconn: mooncake put of %r failed with %s", key, codes.describe(code))
 
+    def _get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+        """Read without asking sizes first: the caller's buffers are scratch.
+
+        ``batch_get_into`` refuses a buffer smaller than the value (``-600``, nothing
+        written) and reports a shorter value by its length after copying it, so a
+        wrong size is still told apart; only the bytes a failed key leaves behind
+        differ, and scratch buffers may hold those. That saves the replica-descriptor
+        RPC, as costly as the transfer itself for values of tens of KiB. Copies are only
+        described for keys whose transfer failed, to read them from another replica.
+        """
+        reader = self._reader
+        groups = _positions(keys)
+        if len(groups) < len(keys) and any(
+            len({buffers[i].nbytes for i in positions}) > 1 for positions in groups.values()
+        ):
+            return self._get(keys, buffers)  # one key into buffers of two sizes: ask first
+        if reader is not None and reader.failed_endpoints():
+            return self._get(keys, buffers)  # a copy failed lately: steer around it
+        ok = [False] * len(keys)
+        store = self._enter()
+        try:
+            reads = [_Pending(key, p[0], p[1:], None) for key, p in groups.items()]
+            failed = self._read_through_client(store, reader, reads, buffers, ok)
+            if failed and reader is not None:
+                self._read_described(store, reader, failed, buffers, ok)
+        finally:
+            self._leave()
+        return ok
+
+    def _read_described(
+        self,
+        store: Any,
+        reader: ReplicaReader,
+        reads: list[_Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
+    ) -> None:
+        """Reads whose transfer failed unchecked: ask where copies are, read a live one."""
+        stored = self._stored_sizes(store, [r.key for r in reads])
+        retry: list[_Pending] = []
+        for read in reads:
+            found = stored.get(read.key)
+            wanted = 1 + len(read.duplicates)
+            if found is None:
+                self.counters["get_miss"] += wanted
+            elif found.size != buffers[read.target].nbytes:
+                self.counters["get_wrong_size"] += wanted
+            elif len(found.copies) > 1:
+                retry.append(_Pending(read.key, read.target, read.duplicates, found))
+            else:
+                reader.mark_failed(c.endpoint for c in found.copies)
+                self.counters["get_failed"] += wanted
+        if retry:
+            self._read_from_replicas(reader, retry, buffers, ok)
+
     def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        groups: dict[str, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
+        groups = _positions(keys)
         ok = [False] * len(keys)
         store = self._enter()
         try:
@@ -689,12 +779,17 @@ class MooncakeBackend(Backend):
                         self.counters["get_transfer_failed"] += 1
                         # The chosen copy's process is gone but the master still lists
                         # it. With one copy, remember its endpoint so keys that also
-                        # have a copy elsewhere skip it; with more, try those.
-                        if len(read.stored.copies) > 1:
+                        # have a copy elsewhere skip it; with more (or not yet known),
+                        # try those.
+                        if read.stored is None or len(read.stored.copies) > 1:
                             retry.append(read)
                         else:
                             reader.mark_failed(c.endpoint for c in read.stored.copies)
                             self._count_get_failure(read.key, code, lengths[n], offset >= 0)
+                    elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
+                        # Sizes were not asked: the value is shorter than the buffer
+                        # (its bytes are in the scratch buffer) or longer (-600, none).
+                        self.counters["get_wrong_size"] += 1 + len(read.duplicates)
                     else:
                         self._count_get_failure(read.key, code, lengths[n], offset >= 0)
         return retry
@@ -706,15 +801,19 @@ class MooncakeBackend(Backend):
         buffers: list[memoryview],
         ok: list[bool],
     ) -> None:
-        """Read keys from explicit replicas, skipping endpoints whose transfers failed."""
+        """Read keys from explicit replicas, skipping endpoints whose transfers failed.
+
+        Every read here has been described (``stored`` is set): copies are only known so.
+        """
         targets = [buffers[r.target] for r in reads]
         for round_ in self._plan(targets):
             round_reads = [reads[j] for j in round_.items]
+            described = [cast("Stored", r.stored) for r in round_reads]
             with self._memory(round_) as (addresses, area):
                 done = reader.read(
                     [
-                        Read(r.key, address, r.stored.size, r.stored.copies)
-                        for r, address in zip(round_reads, addresses)
+                        Read(r.key, address, d.size, d.copies)
+                        for r, d, address in zip(round_reads, described, addresses)
                     ]
                 )
                 for n, (read, success) in enumerate(zip(round_reads, done)):
@@ -802,8 +901,7 @@ class MooncakeBackend(Backend):
         if not unknown:
             self._down = False
             return stored
-        results = self._codes("exists", store.batch_is_exist, unknown)
-        self._check_exists(results, len(unknown))
+        results = self._exist_codes(store, unknown)
         present = [k for k, r in zip(unknown, results) if r == 1]
         if present and not retried:  # an answer lost to a restart, or a put just finished
             stored.update(self._stored_sizes(store, present, retried=True))
@@ -847,7 +945,15 @@ class _Pending:
     key: str
     target: int
     duplicates: list[int]
-    stored: Stored
+    stored: Stored | None  # None: read without asking the size and copies first
+
+
+def _positions(keys: list[str]) -> dict[str, list[int]]:
+    """Each distinct key and where it appears in the batch, in first-seen order."""
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return groups
 
 
 @dataclass

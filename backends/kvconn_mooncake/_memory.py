@@ -46,6 +46,9 @@ class Registry:
     def __init__(self) -> None:
         self._starts: list[int] = []
         self._ranges: list[_Range] = []
+        #: Whether some range is not registered with the client: read on every call, so a
+        #: flag kept by :meth:`mark` rather than a scan.
+        self.any_failed = False
 
     def __len__(self) -> int:
         return len(self._ranges)
@@ -63,13 +66,21 @@ class Registry:
         entry = _Range(start, end, view, mooncake=False)
         self._starts.insert(i, start)
         self._ranges.insert(i, entry)
+        self.any_failed = True
         return entry
+
+    def mark(self, entry: _Range, registered: bool) -> None:
+        """Record whether the client accepted ``entry``."""
+        entry.mooncake = registered
+        self.any_failed = any(not r.mooncake for r in self._ranges)
 
     def remove(self, start: int) -> _Range | None:
         i = bisect.bisect_left(self._starts, start)
         if i < len(self._starts) and self._starts[i] == start:
             del self._starts[i]
-            return self._ranges.pop(i)
+            entry = self._ranges.pop(i)
+            self.any_failed = any(not r.mooncake for r in self._ranges)
+            return entry
         return None
 
     def contains(self, start: int, nbytes: int) -> bool:
@@ -82,10 +93,6 @@ class Registry:
 
     def entries(self) -> list[_Range]:
         return list(self._ranges)
-
-    @property
-    def any_failed(self) -> bool:
-        return any(not r.mooncake for r in self._ranges)
 
     def failed(self) -> list[_Range]:
         """Ranges the client refused (or could not yet) register."""

@@ -132,8 +132,10 @@ class TimedBackend(Backend):
     def put(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
         return self._timed(lambda: self.inner.put(keys, values))
 
-    def get(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
-        return self._timed(lambda: self.inner.get(keys, buffers))
+    def get(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, scratch: bool = False
+    ) -> list[bool]:
+        return self._timed(lambda: self.inner.get(keys, buffers, scratch=scratch))
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         return self._timed(lambda: self.inner.delete(keys))
@@ -149,6 +151,9 @@ class TimedBackend(Backend):
 
     def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
         return self.inner._get(keys, buffers)
+
+    def _get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+        return self.inner._get_scratch(keys, buffers)
 
     def register_buffer(self, buffer: memoryview) -> None:
         self.inner.register_buffer(buffer)

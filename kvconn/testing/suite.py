@@ -158,6 +158,27 @@ class BackendTests:
         assert backend.get([key], [buf]) == [False]
         assert buf == bytearray(b"\x11" * size)
 
+    @pytest.mark.parametrize("size", [1, 5, 7, 4096])
+    def test_a_value_of_the_wrong_size_fails_into_scratch_buffers_too(
+        self, backend: Backend, prefix: str, size: int
+    ) -> None:
+        key = f"{prefix}/six"
+        backend.put([key], [b"sixsix"])
+        bufs = [bytearray(size), bytearray(6), bytearray(6)]
+        keys = [key, key, f"{prefix}/absent"]
+        assert backend.get(keys, bufs, scratch=True) == [False, True, False]
+        assert bufs[1] == bytearray(b"sixsix")
+
+    def test_scratch_gets_fill_every_buffer_of_the_right_size(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        keys = [f"{prefix}/{i}" for i in range(20)]
+        values = [_value(i, 1 + 997 * i) for i in range(20)]
+        backend.put(keys[::2], values[::2])
+        bufs = [bytearray(len(v)) for v in values]
+        assert backend.get(keys, bufs, scratch=True) == [i % 2 == 0 for i in range(20)]
+        assert all(bufs[i] == values[i] for i in range(0, 20, 2))
+
     def test_get_accepts_memoryviews_of_larger_buffers(self, backend: Backend, prefix: str) -> None:
         key = f"{prefix}/slice"
         backend.put([key], [memoryview(b"0123456789")[2:6]])
