@@ -753,6 +753,75 @@ def test_keys_of_a_slot_half_way_through_a_migration_follow_ask_to_the_importing
     backend.close()
 
 
+def _pipelined(port: int, commands: list[list[str | int]]) -> list[bytes]:
+    """Send many commands on one connection; the first line of each reply."""
+    payload = b"".join(
+        f"*{len(c)}\r\n".encode() + b"".join(f"${len(str(a))}\r\n{a}\r\n".encode() for a in c)
+        for c in commands
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(payload)
+        data = b""
+        while data.count(b"\r\n") < len(commands):
+            chunk = sock.recv(1 << 16)
+            assert chunk, "the server closed the connection"
+            data += chunk
+    return data.split(b"\r\n")[: len(commands)]
+
+
+def _slot(cluster: RedisCluster, key: str) -> int:
+    slot = cluster.nodes[0].command("CLUSTER", "KEYSLOT", key)
+    assert isinstance(slot, int)
+    return slot
+
+
+def _client_connections(node: Any) -> int:
+    """Connections to ``node`` other than the one asking."""
+    listing = _text(node.command("CLIENT", "LIST"))
+    return len([line for line in listing.splitlines() if line.strip()]) - 1
+
+
+def test_connections_to_a_node_that_left_the_slot_map_are_closed(
+    own_cluster: RedisCluster,
+) -> None:
+    backend = _open({**own_cluster.options, "max_connections": 4})
+    source, target = 2, 1  # not node 0: that is the seed the map is read from
+    ranges: Any = own_cluster.nodes[0].command("CLUSTER", "SLOTS")
+    slots = [
+        slot
+        for first, last, primary, *_ in ranges
+        if primary[1] == own_cluster.ports[source]
+        for slot in range(first, last + 1)
+    ]
+    tag = next(
+        f"t{i}" for i in range(1000) if _owner(own_cluster, _slot(own_cluster, f"t{i}")) == source
+    )
+    keys = _one_slot_keys(tag, 16) + [f"leave/{i}" for i in range(48)]
+    assert backend.put(keys, [b"v"] * 64) == [True] * 64
+    assert _client_connections(own_cluster.nodes[source]) >= 1
+    # Every key of the leaving node goes to the target, then every one of its slots.
+    held: dict[int, list[str]] = {}
+    for key in keys:
+        held.setdefault(_slot(own_cluster, key), []).append(key)
+    for slot, slot_keys in held.items():
+        if slot in slots:
+            _begin_migration(own_cluster, slot, source, target)
+            _move_keys(own_cluster, source, target, slot_keys)
+    target_id = _text(own_cluster.nodes[target].command("CLUSTER", "MYID"))
+    for node in (target, source, 0):
+        replies = _pipelined(
+            own_cluster.ports[node], [["CLUSTER", "SETSLOT", s, "NODE", target_id] for s in slots]
+        )
+        assert set(replies) == {b"+OK"}, set(replies)
+
+    assert backend.exists(keys) == [True] * 64  # MOVED, a new map without the node
+    assert _client_connections(own_cluster.nodes[source]) == 0
+    bufs = [bytearray(1) for _ in keys]
+    assert backend.get(keys, bufs) == [True] * 64
+    assert _client_connections(own_cluster.nodes[source]) == 0
+    backend.close()
+
+
 def test_slots_computed_locally_agree_with_the_servers_keyslot(redis_cluster: RedisCluster) -> None:
     from kvconn_redis._cluster import key_slot
 
@@ -1019,3 +1088,37 @@ def test_runs_of_exists_replies_decode_around_errors_and_split_reads() -> None:
         sender.join()
     decoded = [r.message if isinstance(r, ErrorReply) else r for r in got]
     assert decoded == expected
+
+
+def test_a_retired_pool_serves_callers_but_keeps_no_connection_open() -> None:
+    from kvconn_redis._resp import ConnectionPool
+
+    class Conn:
+        def __init__(self) -> None:
+            self.pid = os.getpid()
+            self.closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    made: list[Conn] = []
+
+    def connect() -> Any:
+        made.append(Conn())
+        return made[-1]
+
+    pool = ConnectionPool(connect, 4, 1.0, "test")
+    idle: Any
+    busy: Any
+    late: Any
+    idle, _ = pool.acquire()
+    busy, _ = pool.acquire()
+    pool.release(idle)
+    pool.retire()
+    assert idle.closed and not busy.closed  # the idle one at once; the busy one is in use
+    pool.release(busy)
+    assert busy.closed
+    late, reused = pool.acquire()  # a batch routed by an older map is still served
+    assert not reused and not late.closed
+    pool.release(late)
+    assert late.closed and len(made) == 3

@@ -188,11 +188,25 @@ class ClusterClient:
                 smap = self._parse(reply, node, moved or {})
                 self._map = smap
                 self._stale = False
+                self._retire_all_but(smap.primaries)
                 return smap
             raise BackendUnavailable(
                 f"redis at {self.where}: {op} failed: no node answered CLUSTER SLOTS "
                 f"(last: {problems[-1]})"
             )
+
+    def _retire_all_but(self, primaries: tuple[Node, ...]) -> None:
+        """Forget nodes outside the new map, closing their idle connections.
+
+        A node that left the cluster (or serves no slot any more) would otherwise keep
+        its sockets open until :meth:`close`. Seeds are asked again through a new node.
+        """
+        keep = {id(node) for node in primaries}
+        with self._nodes_lock:
+            gone = [a for a, node in self._nodes.items() if id(node) not in keep]
+            retired = [self._nodes.pop(address) for address in gone]
+        for node in retired:
+            node.retire()
 
     def _parse(self, reply: Any, asked: Node, moved: dict[int, Node]) -> _SlotMap:
         """``CLUSTER SLOTS``: ``[[first, last, [host, port, id, …], replicas…], …]``."""

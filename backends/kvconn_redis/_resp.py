@@ -332,6 +332,8 @@ class ConnectionPool:
         self._idle: list[RespConnection] = []
         self._open = 0
         self._closed = False
+        #: No longer kept: connections still close after use, but none stay idle.
+        self._retired = False
         self._pid = os.getpid()
         self._cond = threading.Condition()
 
@@ -377,12 +379,19 @@ class ConnectionPool:
         if conn.pid != os.getpid():
             return
         with self._cond:
-            if self._closed:
+            if self._closed or self._retired:
                 self._open -= 1
                 conn.close()
             else:
                 self._idle.append(conn)
             self._cond.notify()
+
+    def retire(self) -> None:
+        """Keep no idle connection from now on: a caller still holding the pool (a
+        batch routed by an older slot map) is served, and its connection closed after."""
+        with self._cond:
+            self._retired = True
+        self.drop_idle()
 
     def drop_idle(self) -> None:
         """Close every idle connection: after one was found closed by the server, the
@@ -562,6 +571,10 @@ class Node:
 
     def close(self) -> None:
         self.pool.close()
+
+    def retire(self) -> None:
+        """The node left the slot map: close its idle connections, keep none later."""
+        self.pool.retire()
 
 
 _UNSET = object()
