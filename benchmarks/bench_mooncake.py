@@ -1,7 +1,10 @@
 """Batched put/get/exists throughput: kvconn's Mooncake backend vs the raw Mooncake client.
 
-Three columns, same batches, interleaved in one run (best of ``--repeats``, because a
-shared machine is noisy):
+Three columns, same batches, measured side by side: each of ``--trials`` trials times
+one batch of every implementation in a shuffled order (``exists``: ``--exists-calls``
+calls each), so a noisy neighbour slows all of them alike. Throughput is the batch
+over the median time; ``kvconn/raw`` is the ratio of the medians, with the 25th-75th
+percentiles of the per-trial paired ratios beside it:
 
 * ``kvconn`` - :class:`kvconn_mooncake.MooncakeBackend` with its buffers registered, as
   the connector uses it (``batch_put_from`` / ``batch_get_into`` into staging, which the
@@ -31,6 +34,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -47,8 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--value-kib", type=int, default=1024, help="value size in KiB (1024)")
     parser.add_argument("--batch", type=int, default=64, help="keys per batched call (64)")
-    parser.add_argument("--rounds", type=int, default=8, help="batches per measurement (8)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats, best kept (5)")
+    parser.add_argument("--trials", type=int, default=40, help="interleaved trials (40)")
+    parser.add_argument(
+        "--exists-calls", type=int, default=20, help="exists calls per trial and variant (20)"
+    )
     parser.add_argument(
         "--storage",
         choices=("process", "embedded"),
@@ -56,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the segment lives: a mooncake_client process (default) or this process",
     )
     args = parser.parse_args(argv)
-    for name in ("value_kib", "batch", "rounds", "repeats"):
+    for name in ("value_kib", "batch", "trials", "exists_calls"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -66,11 +73,19 @@ def address(buffer: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
-def timed(fn: Callable[[int], None], rounds: int) -> float:
-    start = time.perf_counter()
-    for r in range(rounds):
-        fn(r)
-    return time.perf_counter() - start
+Variants = dict[str, Callable[[], None]]
+
+
+def interleaved(variants: Variants, calls: int, samples: dict[str, list[float]]) -> None:
+    """Time ``calls`` calls of each variant, in a new shuffled order for every call."""
+    order = list(variants.items())
+    clock = time.perf_counter
+    for _ in range(calls):
+        random.shuffle(order)
+        for name, fn in order:
+            start = clock()
+            fn()
+            samples[name].append(clock() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)
         return 2
-    size, batch, rounds = args.value_kib * 1024, args.batch, args.rounds
+    size, batch = args.value_kib * 1024, args.batch
     span = size * batch
-    # Room for one measurement's distinct puts plus the fixed read set, with slack so
-    # eviction (which starts at 90 %) never runs during a measurement.
-    segment = max(16 * MiB, 2 * span * (rounds + 1))
+    # Room for one trial: the read set plus three puts, with slack so eviction (which
+    # starts at 90 %) never runs during a measurement.
+    segment = max(16 * MiB, 6 * span)
     embedded = args.storage == "embedded"
 
     with MooncakeCluster(storage_processes=0 if embedded else 1, segment_size=segment) as cluster:
@@ -108,87 +123,77 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [size] * batch
         values = [payload[i * size : (i + 1) * size] for i in range(batch)]
         copy_dst = [bytearray(size) for _ in range(batch)]
-
-        def keys(tag: str, r: int) -> list[str]:
-            return [f"bench/{tag}/{r}/{i:04d}/page-0123456789abcdef" for i in range(batch)]
-
-        def clear() -> None:
-            raw.remove_all(True)
-
         limit = kv.max_key_length
 
-        def kv_put(tag: str) -> Callable[[int], None]:
-            def run(r: int) -> None:
-                assert all(kv.put(VettedKeys.unchecked(keys(tag, r), limit), kv_src_views))
+        def keys(tag: str) -> list[str]:
+            return [f"bench/{tag}/{i:04d}/page-0123456789abcdef" for i in range(batch)]
 
-            return run
+        fixed = keys("read")
+        vetted = VettedKeys.unchecked(fixed, limit)
 
-        def raw_put(tag: str) -> Callable[[int], None]:
-            def run(r: int) -> None:
-                assert raw.batch_put_from(keys(tag, r), raw_src_ptrs, sizes) == [0] * batch
+        def put_variants(trial: int) -> Variants:
+            kv_keys = VettedKeys.unchecked(keys(f"kv{trial}"), limit)
+            raw_keys, copy_keys = keys(f"raw{trial}"), keys(f"copy{trial}")
 
-            return run
+            def kv_put() -> None:
+                assert all(kv.put(kv_keys, kv_src_views))
 
-        def copy_put(tag: str) -> Callable[[int], None]:
-            def run(r: int) -> None:
-                assert copying.put_batch(keys(tag, r), values) == 0
+            def raw_put() -> None:
+                assert raw.batch_put_from(raw_keys, raw_src_ptrs, sizes) == [0] * batch
 
-            return run
+            def copy_put() -> None:
+                assert copying.put_batch(copy_keys, values) == 0
 
-        fixed = keys("read", 0)
+            return {"kvconn": kv_put, "raw zero-copy": raw_put, "raw copying": copy_put}
 
-        def kv_get(_r: int) -> None:
-            assert all(kv.get(VettedKeys.unchecked(fixed, limit), kv_dst_views, scratch=True))
+        def kv_get() -> None:
+            assert all(kv.get(vetted, kv_dst_views, scratch=True))
 
-        def kv_get_checked(_r: int) -> None:
-            assert all(kv.get(VettedKeys.unchecked(fixed, limit), kv_dst_views))
+        def kv_get_checked() -> None:
+            assert all(kv.get(vetted, kv_dst_views))
 
-        def raw_get(_r: int) -> None:
+        def raw_get() -> None:
             assert raw.batch_get_into(fixed, raw_dst_ptrs, sizes) == sizes
 
-        def copy_get(_r: int) -> None:
+        def copy_get() -> None:
             for value, buf in zip(copying.get_batch(fixed), copy_dst):
                 assert len(value) == size
                 buf[:] = value  # into the caller's buffer, as the contract requires
 
-        def kv_exists(_r: int) -> None:
-            assert all(kv.exists(VettedKeys.unchecked(fixed, limit)))
+        def kv_exists() -> None:
+            assert all(kv.exists(vetted))
 
-        def kv_exists_list(_r: int) -> None:
+        def kv_exists_list() -> None:
             assert all(kv.exists(fixed))
 
-        def raw_exists(_r: int) -> None:
+        def raw_exists() -> None:
             assert raw.batch_is_exist(fixed) == [1] * batch
 
-        best: dict[tuple[str, str], float] = {}
-
-        def keep(op: str, impl: str, ops_per_s: float) -> None:
-            best[(op, impl)] = max(best.get((op, impl), 0.0), ops_per_s)
-
-        exists_rounds = rounds * 20  # no payload: more rounds for a stable figure
-        puts = (("kvconn", kv_put), ("raw zero-copy", raw_put), ("raw copying", copy_put))
-        gets = (("kvconn", kv_get), ("raw zero-copy", raw_get), ("raw copying", copy_get))
-        gets_checked = (("kvconn", kv_get_checked), ("raw zero-copy", raw_get))
-        exists = (("kvconn", kv_exists), ("raw zero-copy", raw_exists))
-        exists_list = (("kvconn", kv_exists_list), ("raw zero-copy", raw_exists))
-        for rep in range(args.repeats):
-            # Rotate who goes first: the first measurement after a clear() runs slower.
-            for impl, make in puts[rep % 3 :] + puts[: rep % 3]:
-                clear()
-                keep("put", impl, rounds * batch / timed(make(f"{impl}-{rep}"), rounds))
-            clear()
-            assert all(kv.put(fixed, kv_src_views))
-            for impl, fn in gets[rep % 3 :] + gets[: rep % 3]:
-                keep("get", impl, rounds * batch / timed(fn, rounds))
-            for impl, fn in gets_checked[rep % 2 :] + gets_checked[: rep % 2]:
-                keep("get (checked)", impl, rounds * batch / timed(fn, rounds))
-            for op, pair in (("exists", exists), ("exists (list)", exists_list)):
-                for impl, fn in pair[rep % 2 :] + pair[: rep % 2]:
-                    keep(op, impl, exists_rounds * batch / timed(fn, exists_rounds))
+        gets: Variants = {
+            "get/kvconn": kv_get,
+            "get (checked)/kvconn": kv_get_checked,
+            "get/raw zero-copy": raw_get,
+            "get/raw copying": copy_get,
+        }
+        lookups: Variants = {
+            "exists/kvconn": kv_exists,
+            "exists (list)/kvconn": kv_exists_list,
+            "exists/raw zero-copy": raw_exists,
+        }
+        samples: dict[str, list[float]] = {
+            name: [] for name in [*(f"put/{impl}" for impl in put_variants(0)), *gets, *lookups]
+        }
+        for trial in range(args.trials):
+            raw.remove_all(True)  # the puts start from the same state every trial
+            assert all(kv.put(vetted, kv_src_views))
+            puts = {f"put/{impl}": fn for impl, fn in put_variants(trial).items()}
+            interleaved(puts, 1, samples)
+            interleaved(gets, 1, samples)
+            interleaved(lookups, args.exists_calls, samples)
         assert kv_dst == payload and raw_dst == payload
         assert b"".join(copy_dst) == payload
-        zero_copy = dict(kv.counters)
-        clear()
+        counters = dict(kv.counters)
+        raw.remove_all(True)
         kv.close()
         for client in (raw, copying, host):
             if client is not None:
@@ -199,35 +204,51 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"mooncake-transfer-engine {_mooncake_version(version)}, {os.cpu_count()} CPUs; "
         f"storage {args.storage}; values {args.value_kib} KiB, batch {batch}, "
-        f"{rounds} rounds, best of {args.repeats}"
+        f"{args.trials} interleaved trials ({args.exists_calls} exists calls each)"
     )
     print(
-        f"kvconn path counters: put_zero_copy={zero_copy.get('put_zero_copy', 0)} "
-        f"put_scratch={zero_copy.get('put_scratch', 0)} "
-        f"get_zero_copy={zero_copy.get('get_zero_copy', 0)} "
-        f"get_scratch={zero_copy.get('get_scratch', 0)}"
+        f"kvconn path counters: put_zero_copy={counters.get('put_zero_copy', 0)} "
+        f"put_scratch={counters.get('put_scratch', 0)} "
+        f"get_zero_copy={counters.get('get_zero_copy', 0)} "
+        f"get_scratch={counters.get('get_scratch', 0)}"
     )
+    print(report(samples, size, batch))
+    return 0
+
+
+def report(samples: dict[str, list[float]], size: int, batch: int) -> str:
+    """The table: median throughput per implementation and the ratios between them."""
     impls = ["kvconn", "raw zero-copy", "raw copying"]
-    header = f"{'op':<14}" + "".join(f"{name:>26}" for name in impls)
-    header += f"{'kvconn/raw':>12}{'zero-copy/copying':>19}"
-    print(header)
+    lines = [
+        f"{'op':<14}"
+        + "".join(f"{name:>24}" for name in impls)
+        + f"{'kvconn/raw [p25-p75]':>24}{'zero-copy/copying':>19}"
+    ]
     for op in ("put", "get", "get (checked)", "exists", "exists (list)"):
+        base = op.split(" ")[0]
         cells = []
         for impl in impls:
-            ops = best.get((op, impl))
-            if ops is None:
-                cells.append(f"{'-':>26}")
-            elif op.startswith("exists"):
-                cells.append(f"{ops:>15,.0f} ops/s{'':>5}")
+            times = samples.get(f"{op}/{impl}") or samples.get(f"{base}/{impl}")
+            if not times or (impl != "kvconn" and op != base):
+                cells.append(f"{'-':>24}")
+                continue
+            ops = batch / statistics.median(times)
+            if base == "exists":
+                cells.append(f"{ops:>17,.0f} keys/s")
             else:
-                cells.append(f"{ops * size / 1e9:>7.2f} GB/s {ops:>9,.0f} ops/s")
-        ratio = best[(op, "kvconn")] / best[(op, "raw zero-copy")]
-        copying_ops = best.get((op, "raw copying"))
+                cells.append(f"{ops * size / 1e9:>8.2f} GB/s {ops:>7,.0f}/s")
+        kv_times, raw_times = samples[f"{op}/kvconn"], samples[f"{base}/raw zero-copy"]
+        ratio = statistics.median(raw_times) / statistics.median(kv_times)
+        paired = sorted(r / k for r, k in zip(raw_times, kv_times))
+        spread = f"{paired[len(paired) // 4]:.2f}-{paired[(3 * len(paired)) // 4]:.2f}"
+        copy_times = samples.get(f"{op}/raw copying")
         gain = (
-            f"{best[(op, 'raw zero-copy')] / copying_ops:>18.2f}x" if copying_ops else f"{'-':>19}"
+            f"{statistics.median(copy_times) / statistics.median(raw_times):>18.2f}x"
+            if copy_times
+            else f"{'-':>19}"
         )
-        print(f"{op:<14}" + "".join(cells) + f"{ratio:>12.2f}" + gain)
-    return 0
+        lines.append(f"{op:<14}" + "".join(cells) + f"{ratio:>12.2f} [{spread}]" + gain)
+    return "\n".join(lines)
 
 
 def _mooncake_version(version: Callable[[str], str]) -> str:

@@ -261,6 +261,7 @@ def test_a_put_another_writer_has_in_flight_reads_as_a_miss_never_as_torn_bytes(
         assert backend.exists([key]) == [False]
         assert backend.get([key], [buf]) == [False]
         assert buf == bytearray(b"\x22" * 4096)
+        assert backend.get([key], [buf], scratch=True) == [False]
         assert backend.put([key], [_value(4, 4096)]) == [True]  # the first writer wins
     finally:
         raw.batch_put_session_revoke([key])

@@ -211,13 +211,16 @@ class BackendTests:
     ) -> None:
         with pytest.raises(ValueError, match="2 keys but 1 values"):
             backend.put([f"{prefix}/a", f"{prefix}/b"], [b"x"])
-        with pytest.raises(ValueError, match="empty"):
-            backend.put([f"{prefix}/a"], [b""])
-        with pytest.raises(ValueError, match="read-only"):
-            backend.get([f"{prefix}/a"], [b"immutable"])
-        with pytest.raises(TypeError, match="buffer protocol"):
-            backend.put([f"{prefix}/a"], ["text is not bytes"])
-        assert backend.exists([f"{prefix}/a", f"{prefix}/b"]) == [False, False]
+        a, b = f"{prefix}/a", f"{prefix}/b"
+        with pytest.raises(ValueError, match=f"value for '{b}' is empty"):
+            backend.put([a, b], [b"x", b""])
+        with pytest.raises(ValueError, match=f"buffer for '{b}' is read-only"):
+            backend.get([a, b], [bytearray(1), b"immutable"])
+        with pytest.raises(TypeError, match=f"value for '{b}' must support the buffer protocol"):
+            backend.put([a, b], [b"x", "text is not bytes"])
+        with pytest.raises(ValueError, match=f"buffer for '{b}' must be a contiguous buffer"):
+            backend.get([a, b], [bytearray(1), memoryview(bytearray(4))[::2]])
+        assert backend.exists([a, b]) == [False, False]
 
     # ------------------------------------------------------------ optional capabilities
     def test_delete_removes_only_the_named_keys(self, backend: Backend, prefix: str) -> None:
