@@ -13,8 +13,9 @@ Mooncake's copying ``put_batch`` (one code for the whole batch) cannot give.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvconn.backend import buffer_address
@@ -90,6 +91,33 @@ class Registry:
             return False
         entry = self._ranges[i]
         return entry.mooncake and start + nbytes <= entry.end
+
+    def locate(self, views: Sequence[memoryview]) -> list[int | None]:
+        """Per view, its address if it lies inside a registered range, else None.
+
+        :meth:`contains` for a whole batch, inlined: this runs for every page of every
+        put and get, and a batch is usually slices of one staging buffer, so the range
+        the previous view fell in is tried first.
+        """
+        if not self._ranges:
+            return [None] * len(views)
+        starts, ranges = self._starts, self._ranges
+        from_buffer, addressof = ctypes.c_char.from_buffer, ctypes.addressof
+        out: list[int | None] = []
+        last: _Range | None = None
+        for view in views:
+            if view.readonly or not view.nbytes:
+                out.append(None)  # copied through scratch; see address_of
+                continue
+            start = addressof(from_buffer(view))
+            if last is None or not last.start <= start < last.end:
+                i = bisect.bisect_right(starts, start) - 1
+                last = ranges[i] if i >= 0 else None
+            if last is not None and last.mooncake and start + view.nbytes <= last.end:
+                out.append(start)
+            else:
+                out.append(None)
+        return out
 
     def entries(self) -> list[_Range]:
         return list(self._ranges)
