@@ -503,6 +503,27 @@ def test_with_two_replicas_every_value_loads_at_once_after_a_storage_process_die
             backend.close()
 
 
+def test_puts_placed_on_a_dead_storage_process_are_stored_on_a_live_one(
+    loopback_env: None,
+) -> None:
+    # client_ttl=60: the master keeps placing new objects on the dead segment.
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=60) as pair:
+        backend = _open(_options(pair))
+        try:
+            pair.kill_storage(0)
+            assert len(pair.segments()) == 2  # the master still lists the dead segment
+            keys = [f"after-death/{i}" for i in range(40)]
+            values = [_value(i, 64 * 1024) for i in range(40)]
+            assert backend.put(keys, values) == [True] * 40
+            assert backend.counters["put_rerouted"] > 0  # some first landed on the dead one
+            assert backend.counters["put_failed"] == 0
+            buffers = [bytearray(len(v)) for v in values]
+            assert backend.get(keys, buffers, scratch=True) == [True] * 40
+            assert [bytes(b) for b in buffers] == values
+        finally:
+            backend.close()
+
+
 def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_untouched(
     loopback_env: None,
 ) -> None:

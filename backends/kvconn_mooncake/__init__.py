@@ -52,7 +52,9 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
   and, for such keys, reads the live copy itself at the address the replica query returned
   (:mod:`kvconn_mooncake._failover`); the failed endpoint is then bypassed for 30 s, so
   later reads do not pay the timeout again. Keys whose only copy is gone read False: a
-  failed load that the engine recomputes.
+  failed load that the engine recomputes. Puts the master places on the dead segment
+  fail the same way (the key stays absent); they are put once more, preferring the
+  segments that took the batch's other keys.
 * Calling the client before ``setup()`` succeeded or after ``close()`` crashes the
   process (SIGSEGV), so every call checks the backend's state first: after
   :meth:`close` it raises :class:`BackendError`; while the master was unreachable at
@@ -60,8 +62,8 @@ How the contract maps onto Mooncake (measured, ``docs/notes/mooncake-api.md``):
 
 No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 ``MooncakeBackend.counters`` counts what each path did (``put_zero_copy``,
-``put_scratch``, ``put_full``, ``get_zero_copy``, ``get_wrong_size``, ``get_failover``,
-``get_failed`` …).
+``put_scratch``, ``put_full``, ``put_rerouted``, ``get_zero_copy``, ``get_wrong_size``,
+``get_failover``, ``get_failed`` …).
 
 Options (keyword arguments; ``load_backend("mooncake", {...})``). Those marked * may
 instead come from Mooncake's own configuration: the JSON file at ``MOONCAKE_CONFIG_PATH``
@@ -642,6 +644,10 @@ class MooncakeBackend(Backend):
                     results = self._codes(
                         "put", store.batch_put_from, round_keys, addresses, sizes, self._replicate
                     )
+                    if codes.TRANSFER_FAIL in results:
+                        results = self._put_on_live_segments(
+                            store, round_keys, addresses, sizes, results
+                        )
                 copied = sum(1 for offset in round_.offsets if offset >= 0)
                 self.counters["put_zero_copy"] += len(batch) - copied
                 self.counters["put_scratch"] += copied
@@ -653,6 +659,49 @@ class MooncakeBackend(Backend):
         finally:
             self._leave()
         return [stored[k] for k in keys]
+
+    def _put_on_live_segments(
+        self,
+        store: Any,
+        keys: list[str],
+        addresses: list[int],
+        sizes: list[int],
+        results: list[int],
+    ) -> list[int]:
+        """Put again the keys whose copy was placed on a dead storage process.
+
+        Until the master drops a dead process's segment (``client_ttl``) it keeps placing
+        new objects there; their transfer fails (``-800``) and the key stays absent.
+        The segments that took this batch's other keys are alive, so the failed keys
+        are put once more preferring those (``preferred_segments``, a hint: a wrong
+        guess only means a random placement again). Measured with one of two storage
+        processes killed: about half a batch failed, every retried key was stored.
+        With ``replica_num`` 2 and two segments every put needs the dead one: nothing
+        lands, and nothing is retried.
+        """
+        landed = [key for key, code in zip(keys, results) if code in codes.PRESENT]
+        config = self._replicate_config()
+        if not landed or not hasattr(config, "preferred_segments"):
+            return results
+        stored = self._stored_sizes(store, landed[:8])
+        live = sorted({c.endpoint for found in stored.values() for c in found.copies})
+        if not live:
+            return results
+        config.preferred_segments = live
+        retry = [i for i, code in enumerate(results) if code == codes.TRANSFER_FAIL]
+        again = self._codes(
+            "put",
+            store.batch_put_from,
+            [keys[i] for i in retry],
+            [addresses[i] for i in retry],
+            [sizes[i] for i in retry],
+            config,
+        )
+        results = list(results)
+        for i, code in zip(retry, again):
+            results[i] = code
+        self.counters["put_rerouted"] += sum(1 for code in again if code in codes.PRESENT)
+        return results
 
     def _count_put_failure(self, key: str, code: int) -> None:
         if code in codes.FULL:
