@@ -168,6 +168,25 @@ def test_bytes_a_failed_scratch_get_leaves_in_staging_never_reach_a_slot():
         assert slot_bytes(layout, reader.pools, slot) == slot_bytes(layout, writers[2].pools, slot)
 
 
+class _OldStyleStore(DictBackend):
+    """A backend from before ``scratch=``: it overrides the public ``get``."""
+
+    def get(self, keys, buffers):  # type: ignore[no-untyped-def, override]
+        return super().get(keys, buffers)
+
+
+def test_a_backend_whose_get_takes_no_scratch_argument_still_loads():
+    store = _OldStyleStore()
+    layout = minimax_m3(tp_size=2, layers=2, num_slots=16)
+    writers = tp_group(layout, store)
+    save_all(writers)
+    reader = tp_group(layout, store, fill=False)[1]
+    assert reader.load(HASHES, SLOTS).loaded == N
+    assert reader.stats.backend_errors == 0
+    for slot in SLOTS:
+        assert slot_bytes(layout, reader.pools, slot) == slot_bytes(layout, writers[1].pools, slot)
+
+
 def test_a_stored_page_of_the_wrong_size_is_a_failed_load(store):
     layout = minimax_m3(tp_size=8)
     writers = tp_group(layout, store)

@@ -517,6 +517,11 @@ def test_puts_placed_on_a_dead_storage_process_are_stored_on_a_live_one(
             assert backend.put(keys, values) == [True] * 40
             assert backend.counters["put_rerouted"] > 0  # some first landed on the dead one
             assert backend.counters["put_failed"] == 0
+            # One-key batches: when the key lands on the dead segment no other key of its
+            # batch names a live one, so the segments learned above are used.
+            for i, value in enumerate(values[:12]):
+                assert backend.put([f"after-death/single/{i}"], [value]) == [True], i
+            assert backend.counters["put_failed"] == 0
             buffers = [bytearray(len(v)) for v in values]
             assert backend.get(keys, buffers, scratch=True) == [True] * 40
             assert [bytes(b) for b in buffers] == values

@@ -127,7 +127,7 @@ from kvconn.backend import Backend, Capabilities, as_bytes_view
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
 from kvconn_mooncake import _codes as codes
 from kvconn_mooncake._config import MooncakeConfig, make_config
-from kvconn_mooncake._failover import Copy, Read, ReplicaReader, Stored, make_engine
+from kvconn_mooncake._failover import AVOID_S, Copy, Read, ReplicaReader, Stored, make_engine
 from kvconn_mooncake._memory import Registry, Scratch, address_of
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -216,6 +216,8 @@ class MooncakeBackend(Backend):
         #: :meth:`_unregister_raw`.
         self._stale: dict[int, int] = {}
         self._memory_retry_at = 0.0
+        #: Segments puts landed on lately, and until when to trust that; see _live_segments.
+        self._live: tuple[list[str], float] = ([], 0.0)
         self._scratch = Scratch(self._register_raw, self._unregister_raw)
         try:
             self._connect(at_start=True)
@@ -672,19 +674,17 @@ class MooncakeBackend(Backend):
 
         Until the master drops a dead process's segment (``client_ttl``) it keeps placing
         new objects there; their transfer fails (``-800``) and the key stays absent.
-        The segments that took this batch's other keys are alive, so the failed keys
-        are put once more preferring those (``preferred_segments``, a hint: a wrong
-        guess only means a random placement again). Measured with one of two storage
-        processes killed: about half a batch failed, every retried key was stored.
-        With ``replica_num`` 2 and two segments every put needs the dead one: nothing
-        lands, and nothing is retried.
+        The segments that took this batch's other keys (or, when none landed, a recent
+        batch's) are alive, so the failed keys are put once more preferring those
+        (``preferred_segments``, a hint: a wrong guess only means a random placement
+        again). Measured with one of two storage processes killed: about half a batch
+        failed, every retried key was stored. With ``replica_num`` 2 and two segments
+        every put needs the dead one: nothing lands, and nothing is retried.
         """
-        landed = [key for key, code in zip(keys, results) if code in codes.PRESENT]
         config = self._replicate_config()
-        if not landed or not hasattr(config, "preferred_segments"):
+        if not hasattr(config, "preferred_segments"):
             return results
-        stored = self._stored_sizes(store, landed[:8])
-        live = sorted({c.endpoint for found in stored.values() for c in found.copies})
+        live = self._live_segments(store, [k for k, c in zip(keys, results) if c in codes.PRESENT])
         if not live:
             return results
         config.preferred_segments = live
@@ -703,6 +703,30 @@ class MooncakeBackend(Backend):
         self.counters["put_rerouted"] += sum(1 for code in again if code in codes.PRESENT)
         return results
 
+    def _live_segments(self, store: Any, landed: list[str]) -> list[str]:
+        """Segments that just took a put: where the replicas of ``landed`` keys lie.
+
+        Remembered for a while (``AVOID_S``), so a batch none of whose keys landed can
+        use the last answer. Endpoints a read found dead are left out (a key that was
+        already stored, answered as landed, may have its copy on the dead one). Asking
+        fails softly: the put it serves has partly succeeded already.
+        """
+        now = time.monotonic()
+        live: list[str] = []
+        if landed:
+            try:
+                stored = self._stored_sizes(store, landed[:8])
+            except BackendError:
+                stored = {}
+            live = sorted({c.endpoint for found in stored.values() for c in found.copies})
+            if live:
+                self._live = (live, now + AVOID_S)
+        if not live and self._live[1] > now:
+            live = self._live[0]
+        reader = self._reader
+        avoid = reader.failed_endpoints() if reader is not None else set()
+        return [endpoint for endpoint in live if endpoint not in avoid]
+
     def _count_put_failure(self, key: str, code: int) -> None:
         if code in codes.FULL:
             self.counters["put_full"] += 1  # eviction lags a fast writer: a dropped save
@@ -720,17 +744,17 @@ class MooncakeBackend(Backend):
         RPC, as costly as the transfer itself for values of tens of KiB. Copies are only
         described for keys whose transfer failed, to read them from another replica.
         """
-        reader = self._reader
         groups = _positions(keys)
         if len(groups) < len(keys) and any(
             len({buffers[i].nbytes for i in positions}) > 1 for positions in groups.values()
         ):
             return self._get(keys, buffers)  # one key into buffers of two sizes: ask first
-        if reader is not None and reader.failed_endpoints():
-            return self._get(keys, buffers)  # a copy failed lately: steer around it
         ok = [False] * len(keys)
         store = self._enter()
         try:
+            reader = self._reader  # after _enter: a delayed set-up makes it
+            if reader is not None and reader.failed_endpoints():
+                return self._get(keys, buffers)  # a copy failed lately: steer around it
             reads = [_Pending(key, p[0], p[1:], None) for key, p in groups.items()]
             failed = self._read_through_client(store, reader, reads, buffers, ok)
             if failed and reader is not None:

@@ -236,7 +236,8 @@ class ClusterClient:
                 host = _address(asked)[0]  # "": the address this node was reached at
             owners[first : last + 1] = [self._node((host, entry[2][1]))] * (last - first + 1)
         for slot, node in moved.items():
-            owners[slot] = node
+            # Through _node(): the object MOVED named may have been retired meanwhile.
+            owners[slot] = self._node(_address(node))
         primaries = sorted({n for n in owners if n is not None}, key=_address)
         return _SlotMap(tuple(owners), tuple(primaries))
 

@@ -162,11 +162,14 @@ class BackendTests:
     def test_a_value_of_the_wrong_size_fails_into_scratch_buffers_too(
         self, backend: Backend, prefix: str, size: int
     ) -> None:
-        key = f"{prefix}/six"
-        backend.put([key], [b"sixsix"])
+        keys = [f"{prefix}/six", f"{prefix}/six-too", f"{prefix}/absent"]
+        backend.put(keys[:2], [b"sixsix", b"sixsix"])
         bufs = [bytearray(size), bytearray(6), bytearray(6)]
-        keys = [key, key, f"{prefix}/absent"]
         assert backend.get(keys, bufs, scratch=True) == [False, True, False]
+        assert bufs[1] == bytearray(b"sixsix")
+        # One key into buffers of two sizes: only the right one succeeds.
+        bufs = [bytearray(size), bytearray(6)]
+        assert backend.get(keys[:1] * 2, bufs, scratch=True) == [False, True]
         assert bufs[1] == bytearray(b"sixsix")
 
     def test_scratch_gets_fill_every_buffer_of_the_right_size(
