@@ -267,6 +267,19 @@ def test_a_put_another_writer_has_in_flight_reads_as_a_miss_never_as_torn_bytes(
         raw.batch_put_session_revoke([key])
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+def test_misses_and_wrong_sizes_are_counted_once_per_buffer_on_either_read_path(
+    backend: Any, prefix: str, scratch: bool
+) -> None:
+    present, absent = f"{prefix}/present", f"{prefix}/absent"
+    backend.put([present], [b"four"])
+    keys = [absent, absent, present, present]
+    bufs = [bytearray(4), bytearray(4), bytearray(5), bytearray(5)]
+    assert backend.get(keys, bufs, scratch=scratch) == [False] * 4
+    assert backend.counters["get_miss"] == 2
+    assert backend.counters["get_wrong_size"] == 2
+
+
 def test_a_value_read_before_can_still_be_deleted(backend: Any, prefix: str) -> None:
     """Reads take a 10 s lease that blocks a plain remove: delete forces it."""
     key = f"{prefix}/leased"

@@ -852,13 +852,13 @@ class MooncakeBackend(Backend):
                             retry.append(read)
                         else:
                             reader.mark_failed(c.endpoint for c in read.stored.copies)
-                            self._count_get_failure(read.key, code, lengths[n], offset >= 0)
+                            self._count_get_failure(read, code, lengths[n], offset >= 0)
                     elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
                         # Sizes were not asked: the value is shorter than the buffer
                         # (its bytes are in the scratch buffer) or longer (-600, none).
                         self.counters["get_wrong_size"] += 1 + len(read.duplicates)
                     else:
-                        self._count_get_failure(read.key, code, lengths[n], offset >= 0)
+                        self._count_get_failure(read, code, lengths[n], offset >= 0)
         return retry
 
     def _read_from_replicas(
@@ -887,7 +887,7 @@ class MooncakeBackend(Backend):
                     if success:
                         self._finish(read, buffers, ok, area, round_.offsets[n], failover=True)
                     else:
-                        self.counters["get_failed"] += 1
+                        self.counters["get_failed"] += 1 + len(read.duplicates)
                         log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
 
     def _finish(
@@ -914,15 +914,20 @@ class MooncakeBackend(Backend):
             buffers[other][:] = target
             ok[other] = True
 
-    def _count_get_failure(self, key: str, code: int, expected: int, via_scratch: bool) -> None:
+    def _count_get_failure(
+        self, read: _Pending, code: int, expected: int, via_scratch: bool
+    ) -> None:
+        """Count a failed read once per buffer that wanted the key, as misses found
+        before reading are."""
+        key, wanted = read.key, 1 + len(read.duplicates)
         if code in codes.ABSENT:
-            self.counters["get_miss"] += 1  # evicted or removed since the size query
+            self.counters["get_miss"] += wanted  # evicted or removed since the size query
         elif code >= 0:
             # The value changed size between the size query and the read, which the
             # read lease forbids short of a forced remove and a new put under the same
             # key. Through scratch the caller's buffer is untouched; a registered one
             # may hold the first bytes of the new value: say so loudly.
-            self.counters["get_wrong_size"] += 1
+            self.counters["get_wrong_size"] += wanted
             level = logging.DEBUG if via_scratch else logging.ERROR
             log.log(
                 level,
@@ -932,7 +937,7 @@ class MooncakeBackend(Backend):
                 expected,
             )
         else:
-            self.counters["get_failed"] += 1  # e.g. -800: its segment's process died
+            self.counters["get_failed"] += wanted  # e.g. -800: its segment's process died
             log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
 
     def _stored_sizes(
