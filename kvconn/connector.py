@@ -327,7 +327,7 @@ class Connector:
         slot_map = self._slot_map(slots, len(hashes))
         movers = self._require_pools()
         per_block = sum(sh.plan.page_size for sh in self.shares)
-        chunk = self._chunk_blocks(per_block)
+        chunk = self._chunk_blocks(per_block, padding=64 * len(self.shares))
         loaded = 0
         for start in range(0, len(hashes), chunk):
             stop = min(start + chunk, len(hashes))
@@ -350,19 +350,21 @@ class Connector:
         movers: Sequence[PageMover],
     ) -> int:
         n = stop - start
-        total = n * sum(sh.plan.page_size for sh in self.shares)
+        # Each page kind starts on a 64-byte boundary, so its pages can be read as the
+        # pool's words in place (an odd page size would otherwise misalign the next).
+        offsets: list[int] = []
+        total = 0
+        for share in self.shares:
+            offsets.append(total)
+            total = _aligned(total + n * share.plan.page_size)
         staging, view = self._staging.take(total)
         keys: list[str] = []
         buffers: list[memoryview] = []
-        offsets: list[int] = []
-        offset = 0
-        for share in self.shares:
+        for share, offset in zip(self.shares, offsets):
             size = share.plan.page_size
-            offsets.append(offset)
             for i in range(n):
                 keys.append(share_key(self.prefix, share, hashes[start + i]))
                 buffers.append(view[offset + i * size : offset + (i + 1) * size])
-            offset += n * size
         # Scratch: staging pages of keys that fail are never scattered (below).
         extra = {"scratch": True} if self._scratch_reads else {}
         try:
@@ -387,8 +389,7 @@ class Connector:
     # ------------------------------------------------------------------ helpers
     def _call(self, op: str, fn: Callable[[], T]) -> T:
         """Run a backend call; on failure log, count, back off and raise ``_Skipped``."""
-        now = time.monotonic()
-        if now < self._down_until:
+        if time.monotonic() < self._down_until:
             raise _Skipped
         try:
             result = fn()
@@ -396,7 +397,9 @@ class Connector:
             raise  # our own key is at fault, not the store: never hide it as an outage
         except Exception as exc:
             self.stats.backend_errors += 1
-            self._down_until = now + self.config.retry_interval_s
+            # From the failure, not the start: a call that timed out after longer than
+            # the interval must still leave a window in which no call waits again.
+            self._down_until = time.monotonic() + self.config.retry_interval_s
             if not self._down:
                 log.warning(
                     "kvconn: backend %r failed in %s (%s); serving without the cache, "
@@ -414,8 +417,10 @@ class Connector:
             self._down = False
         return result
 
-    def _chunk_blocks(self, bytes_per_block: int) -> int:
-        return max(1, self.config.staging_bytes // max(1, bytes_per_block))
+    def _chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
+        """Blocks per chunk so that a chunk (plus ``padding``) fits ``staging_bytes``."""
+        room = self.config.staging_bytes - padding
+        return max(1, room // max(1, bytes_per_block))
 
     def _require_pools(self) -> list[PageMover]:
         if self._movers is None:
@@ -469,3 +474,7 @@ def _takes_keyword(method: Callable[..., Any], name: str) -> bool:
         (p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD
         for p in parameters
     )
+
+
+def _aligned(offset: int, to: int = 64) -> int:
+    return -(-offset // to) * to

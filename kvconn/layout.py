@@ -38,6 +38,10 @@ def shard_position(rank: int, tp_size: int, units: int) -> ShardPosition:
     GQA engines duplicate a KV head on consecutive ranks (rank // dup), so the same rule
     keeps our shard numbering equal to the engine's head placement.
     """
+    for name, value in (("rank", rank), ("tp_size", tp_size), ("units", units)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            # rank=1.0 would pass the range check and key pages "r1.0" nobody asks for
+            raise LayoutError(f"{name} must be an int, got {value!r}")
     if tp_size < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
     if not 0 <= rank < tp_size:

@@ -131,8 +131,12 @@ class PageMover:
             return part
         try:
             return part.view(dtype)
-        except RuntimeError:
-            return None if writable else part.contiguous().view(dtype)
+        except RuntimeError:  # misaligned for the word: pages of an odd size in staging
+            if writable:
+                return None
+            # A fresh copy, aligned: contiguous() would hand back a contiguous but
+            # misaligned slice unchanged, and viewing that raises again.
+            return part.clone(memory_format=torch.contiguous_format).view(dtype)
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the pages of ``slots`` into ``out`` (``[len(slots), page_size]`` uint8).

@@ -8,18 +8,22 @@ they stay fixed.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+import kvconn.connector as connector_module
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import ConfigError, LayoutError
+from kvconn.errors import BackendUnavailable, ConfigError, LayoutError
 from kvconn.hashing import block_hashes
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.models import minimax_m3
 from kvconn.movement import PageMover, flat_bytes
 from tests.fakes import DictBackend
+from tests.helpers import slot_bytes, tp_group
 
 # --------------------------------------------------------------------------- layout
 
@@ -206,3 +210,91 @@ def test_a_node_retired_from_the_slot_map_is_never_routed_to_again(
     )
     assert not owner.pool._retired
     client.close()
+
+
+# ------------------------------------------------ second review (2026-11-30)
+
+
+def test_loading_one_block_whose_first_page_kind_has_a_size_not_a_multiple_of_8_fills_cpu_slots():
+    """Rule 5: a load never raises into the serving loop and never half-writes a slot.
+
+    K (fp8 + f32 scale, 132 B/token, sharded) in pool 0 and a replicated index-K
+    (128 B/token) in a pool of its own, one token per block (SGLang's page size). In the
+    load's staging the replicated page starts at ``n * 132`` bytes, 4 mod 8 for one
+    block, while the index-K run moves 8-byte words: ``part.contiguous()`` is a no-op on
+    an already contiguous slice, so ``view(torch.int64)`` raises after the K page was
+    already scattered into the slot.
+    """
+    slots = 4
+    roles = (Role("k", 2, "fp8e4m3+f32scale"), Role("index_k", 1, "bf16"))
+    regions = (
+        Region("k", 0, base=0, size=132, stride=132, num_slots=slots, pool=0),
+        Region("index_k", 0, base=0, size=128, stride=128, num_slots=slots, pool=1),
+    )
+    layout = KvLayout(2, 1, roles, (LayerGroup(0, slots, regions),), (132 * slots, 128 * slots))
+    store = DictBackend()
+    hashes = block_hashes([7, 8, 9], 1)
+    writers = tp_group(layout, store)
+    for w in writers:
+        assert w.save(hashes, [0, 1, 2]).dropped == 0
+    reader = tp_group(layout, store, fill=False)[1]
+    assert reader.lookup(hashes[:1]).blocks == 1
+    result = reader.load(hashes[:1], [3])
+    assert result.ok and result.loaded == 1
+    assert slot_bytes(layout, reader.pools, 3) == slot_bytes(layout, writers[1].pools, 0)
+
+
+def test_a_backend_call_that_fails_after_a_timeout_longer_than_the_retry_interval_backs_off(
+    monkeypatch,
+):
+    """Rule 6 / config: a dead server costs the serving loop one timeout, not one per call.
+
+    The back-off window is measured from when the call *started*, so a call that times
+    out after longer than ``retry_interval_s`` leaves no window at all: the next lookup
+    waits on the dead server again.
+    """
+    clock = SimpleNamespace(t=1000.0)
+    monkeypatch.setattr(connector_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
+
+    class TimingOut(DictBackend):
+        def _exists(self, keys):  # type: ignore[no-untyped-def]
+            self.calls.append(("exists", len(keys)))
+            clock.t += 5.0  # the client's socket timeout
+            raise BackendUnavailable("timed out")
+
+    store = TimingOut()
+    layout = minimax_m3(tp_size=2, layers=1, num_slots=4)
+    config = ConnectorConfig(model="m", backend="dict", retry_interval_s=1.0)
+    conn = Connector(config, layout, rank=0, backend=store)
+    hashes = block_hashes(list(range(64)), 32)
+    assert conn.lookup(hashes).available is False
+    clock.t += 0.01  # the very next request
+    assert conn.lookup(hashes).available is False
+    assert store.ops("exists") == 1  # skipped inside the window, not a second timeout
+
+
+def test_a_rank_that_is_not_an_int_is_refused_instead_of_writing_keys_no_lookup_asks_for():
+    """Rule 6: bad configuration fails fast with a clear message.
+
+    ``rank=1.0`` passes the range check; ``shard_index = 1.0 // 1`` is ``1.0`` and the
+    rank writes its K/V pages under ``w2r1.0`` while every lookup asks for ``w2r1``: the
+    group's cache silently never hits.
+    """
+    layout = minimax_m3(tp_size=2, layers=1, num_slots=4)
+    config = ConnectorConfig(model="m", backend="dict", retry_interval_s=0)
+    with pytest.raises(ConfigError):
+        Connector(config, layout, rank=1.0, backend=DictBackend())  # type: ignore[arg-type]
+
+
+def test_pages_that_start_off_the_pools_word_boundary_scatter_correctly():
+    """The mover reads staging pages as the pool's words; a page starting 4 bytes past
+    an 8-byte boundary cannot be viewed so, and ``contiguous()`` would not move it."""
+    pool = torch.zeros(4, 16, dtype=torch.int64)  # 128 B per slot, moved as 8-byte words
+    region = Region("k", 0, base=0, size=128, stride=128, num_slots=4, pool=0)
+    mover = PageMover([region], [flat_bytes(pool)], 4)
+    staging = torch.randint(0, 256, (4 + 2 * 128,), dtype=torch.uint8)
+    pages = staging[4:].view(2, 128)  # contiguous, misaligned
+    mover.scatter(torch.tensor([1, 3]), pages)
+    stored = flat_bytes(pool)
+    assert torch.equal(stored[128:256], pages[0]) and torch.equal(stored[384:512], pages[1])
+    assert not stored[:128].any() and not stored[256:384].any()
