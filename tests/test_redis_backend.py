@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -1134,3 +1135,95 @@ def test_a_retired_pool_serves_callers_but_keeps_no_connection_open() -> None:
     assert not reused and not late.closed
     pool.release(late)
     assert late.closed and len(made) == 3
+
+
+# ---------------------------------------------------------------- second review
+def _raw_command(sock: socket.socket, *args: bytes) -> bytes:
+    sock.sendall(b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args))
+    return sock.recv(1000)
+
+
+@pytest.mark.parametrize("password", [None, "s3cret"])
+def test_a_server_at_its_client_limit_is_unavailable_not_misconfigured(
+    password: str | None,
+) -> None:
+    """``-ERR max number of clients reached`` is sent on accept and goes away when other
+    clients leave: the same "may come up later" case as a server that is down. It must
+    neither stop start-up (a BackendError escaping the constructor, or a ConfigError
+    when a password makes the first reply a handshake reply) nor read as a permanent
+    error later."""
+    require_or_skip(RedisServer.available())
+    with RedisServer(password=password) as server:
+        holder = socket.create_connection(("127.0.0.1", server.port))
+        with holder:
+            if password is not None:
+                assert _raw_command(holder, b"AUTH", password.encode()) == b"+OK\r\n"
+            assert _raw_command(holder, b"CONFIG", b"SET", b"maxclients", b"1") == b"+OK\r\n"
+            try:
+                backend = _open({**server.options, "timeout_s": 2.0})  # must not raise
+                with pytest.raises(BackendUnavailable):
+                    backend.exists(["full/a"])
+            finally:
+                _raw_command(holder, b"CONFIG", b"SET", b"maxclients", b"1000")
+        assert backend.put(["full/a"], [b"x"]) == [True]
+        backend.close()
+
+
+def test_a_cluster_that_requires_a_password_given_none_is_a_configuration_error() -> None:
+    """The single-server client turns NOAUTH into a ConfigError at start-up; in cluster
+    mode the NOAUTH reply to CLUSTER SLOTS must do the same, not read as an outage that
+    only logs a warning and makes every later call BackendUnavailable."""
+    require_or_skip(RedisCluster.available())
+    cluster = RedisCluster(1).start()
+    try:
+        node = cluster.nodes[0]
+        node.command("CONFIG", "SET", "requirepass", "clu-pass")
+        node.password = "clu-pass"
+        with pytest.raises(ConfigError, match="NOAUTH"):
+            _open(cluster.options)
+        backend = _open({**cluster.options, "password": "clu-pass"})
+        assert backend.put(["auth/a"], [b"x"]) == [True]
+        backend.close()
+    finally:
+        cluster.stop()
+
+
+def test_closing_an_inherited_backend_in_a_forked_child_never_hangs_on_the_parents_lock(
+    redis_server: RedisServer,
+) -> None:
+    """A serving process's threads take the pool's lock on every batch; a child forked
+    while one of them held it inherits a lock nobody will release. ``acquire`` replaces
+    it after a fork, but ``close`` (and ``retire``) take it first and hang forever."""
+    backend = _open(redis_server.options)
+    assert backend.exists(["fork-close/a"]) == [False]  # a pooled connection now
+    pool = backend._client._node.pool  # type: ignore[attr-defined]
+    held, forked = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a parent thread in the middle of acquire/release
+        with pool._cond:
+            held.set()
+            forked.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            backend.close()
+        finally:
+            os._exit(0)
+    forked.set()
+    thread.join()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("close() in the forked child hung on a lock a parent thread held")
+    assert backend.exists(["fork-close/a"]) == [False]  # the parent is unaffected
+    backend.close()

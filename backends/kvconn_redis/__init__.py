@@ -144,6 +144,9 @@ class RedisBackend(Backend):
             raise ConfigError(f"redis: {exc}") from exc
         except BackendUnavailable as exc:
             log.warning("kvconn: %s; calls will fail until it answers", exc)
+        except BaseException:
+            self._client.close()
+            raise
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.config.where!r})"

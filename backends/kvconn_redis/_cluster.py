@@ -183,7 +183,10 @@ class ClusterClient:
                             f"redis at {node.where} is not a cluster node ({reply.message}); "
                             "use a redis:// URL without cluster=True"
                         )
-                    problems.append(error_for(reply, "CLUSTER SLOTS", node.where))
+                    problem = error_for(reply, "CLUSTER SLOTS", node.where)
+                    if isinstance(problem, HandshakeError):
+                        raise problem  # NOAUTH / NOPERM: every node says the same
+                    problems.append(problem)
                     continue
                 smap = self._parse(reply, node, moved or {})
                 self._map = smap

@@ -73,7 +73,14 @@ _FLAG_RUN = 4096
 
 #: Error reply prefixes that mean "try again later", not "this request is wrong".
 _TRANSIENT = ("LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
+#: The same, for replies whose code is a plain ``ERR``: sent on accept by a server at
+#: its ``maxclients``, and gone once other clients leave.
+_TRANSIENT_TEXT = ("max number of clients reached",)
 _AUTH = ("NOAUTH", "WRONGPASS", "NOPERM")
+
+
+def _transient(reply: ErrorReply) -> bool:
+    return reply.code in _TRANSIENT or any(t in reply.message for t in _TRANSIENT_TEXT)
 
 
 class ErrorReply:
@@ -115,7 +122,7 @@ def error_for(reply: ErrorReply, op: str, where: str) -> BackendError:
     """The kvconn error for a server error reply; transient ones are 'unavailable'."""
     code = reply.code
     text = f"redis at {where}: {op} failed: {reply.message}"
-    if code in _TRANSIENT:
+    if _transient(reply):
         return BackendUnavailable(text)
     if code == "MOVED" or code == "ASK" or reply.message.startswith("CLUSTERDOWN"):
         return BackendError(f"{text} (the server is a cluster node: use cluster=True)")
@@ -389,6 +396,8 @@ class ConnectionPool:
     def retire(self) -> None:
         """Keep no idle connection from now on: a caller still holding the pool (a
         batch routed by an older slot map) is served, and its connection closed after."""
+        if os.getpid() != self._pid:
+            self._after_fork()  # the parent's lock may be held by a thread not here
         with self._cond:
             self._retired = True
         self.drop_idle()
@@ -416,6 +425,8 @@ class ConnectionPool:
             self._cond.notify()
 
     def close(self) -> None:
+        if os.getpid() != self._pid:
+            self._after_fork()  # the parent's lock may be held by a thread not here
         with self._cond:
             self._closed = True
             idle, self._idle = self._idle, []
@@ -546,6 +557,10 @@ class Node:
             if isinstance(reply, ErrorReply):
                 conn.close()
                 message = reply.message
+                if _transient(reply):  # a full or loading server: it may answer later
+                    raise BackendUnavailable(
+                        f"redis at {self.where}: connection setup failed: {message}"
+                    )
                 if "AUTH" in message.upper() or reply.code in _AUTH:
                     raise HandshakeError(
                         f"redis at {self.where} refused the credentials ({message}); "
