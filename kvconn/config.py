@@ -61,6 +61,14 @@ class ConnectorConfig:
             raise ConfigError(f"options must be a table/dict, got {type(self.options).__name__}")
         object.__setattr__(self, "options", dict(self.options))
         object.__setattr__(self, "writer_policy", WriterPolicy.parse(self.writer_policy))
+        if isinstance(self.staging_bytes, str):  # "256MiB", from a file or the environment
+            size = parse_size(self.staging_bytes)
+            if size is None:
+                raise ConfigError(
+                    f"staging_bytes must be a size like 268435456 or '256MiB', "
+                    f"got {self.staging_bytes!r}"
+                )
+            object.__setattr__(self, "staging_bytes", size)
         if (
             isinstance(self.staging_bytes, bool)
             or not isinstance(self.staging_bytes, int)

@@ -442,7 +442,10 @@ class Connector:
             raw = {g: slots for g in groups}
         out: dict[int, torch.Tensor] = {}
         for g, seq in raw.items():
-            t = torch.as_tensor(seq, dtype=torch.long).reshape(-1).cpu()
+            given = torch.as_tensor(seq)
+            if given.numel() and (given.is_floating_point() or given.dtype == torch.bool):
+                raise ValueError(f"layer group {g}: slots must be integers, got {given.dtype}")
+            t = given.to(torch.long).reshape(-1).cpu()
             if t.numel() != n:
                 raise ValueError(f"layer group {g}: {t.numel()} slots for {n} blocks")
             num_slots = self.layout.group(g).num_slots

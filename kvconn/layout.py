@@ -70,11 +70,15 @@ class Role:
     dtype: str
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise LayoutError(f"role name {self.name!r} must be lower-case letters, digits and '_'")
         if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 1:
             raise LayoutError(f"role {self.name!r}: units must be an int >= 1, got {self.units!r}")
-        if not self.dtype or any(c.isspace() or c in "/|" for c in self.dtype):
+        if (
+            not isinstance(self.dtype, str)
+            or not self.dtype
+            or any(c.isspace() or c in "/|" for c in self.dtype)
+        ):
             raise LayoutError(
                 f"role {self.name!r}: dtype {self.dtype!r} must be non-empty, "
                 "without spaces, '/' or '|'"
@@ -224,6 +228,8 @@ class KvLayout:
         _positive_int(self.tokens_per_block, "tokens_per_block", "layout")
         by_name: dict[str, Role] = {}
         for role in self.roles:
+            if not isinstance(role, Role):
+                raise LayoutError(f"layout: roles must be Role objects, got {role!r}")
             if role.name in by_name:
                 raise LayoutError(f"layout: role {role.name!r} is declared twice")
             by_name[role.name] = role

@@ -298,3 +298,39 @@ def test_pages_that_start_off_the_pools_word_boundary_scatter_correctly():
     stored = flat_bytes(pool)
     assert torch.equal(stored[128:256], pages[0]) and torch.equal(stored[384:512], pages[1])
     assert not stored[:128].any() and not stored[256:384].any()
+
+
+def test_staging_bytes_may_be_given_with_a_unit_in_files_and_the_environment():
+    from_env = ConnectorConfig.from_env({"KVCONN_MODEL": "m", "KVCONN_STAGING_BYTES": "64MiB"})
+    assert from_env.staging_bytes == 64 * 2**20
+    assert ConnectorConfig.from_dict({"model": "m", "staging_bytes": "1g"}).staging_bytes == 2**30
+    with pytest.raises(ConfigError, match="staging_bytes must be a size"):
+        ConnectorConfig.from_dict({"model": "m", "staging_bytes": "lots"})
+
+
+@pytest.mark.parametrize("slots", [[1.9, 2.0], [True, False]], ids=["floats", "bools"])
+def test_slots_that_are_not_integers_are_refused_instead_of_truncated(slots):
+    layout = minimax_m3(tp_size=2, layers=1, num_slots=4)
+    conn = tp_group(layout, DictBackend())[0]
+    hashes = block_hashes(list(range(64)), 32)
+    with pytest.raises(ValueError, match="slots must be integers"):
+        conn.load(hashes, slots)
+    with pytest.raises(ValueError, match="slots must be integers"):
+        conn.save(hashes, slots)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Role(7, 1, "bf16"), "role name 7"),  # type: ignore[arg-type]
+        (lambda: Role("k", 1, 16), "dtype 16"),  # type: ignore[arg-type]
+        (
+            lambda: KvLayout(1, 1, ("k",), (), ()),  # type: ignore[arg-type]
+            "roles must be Role objects, got 'k'",
+        ),
+    ],
+    ids=["name", "dtype", "not-a-role"],
+)
+def test_roles_of_the_wrong_type_are_a_layout_error_naming_them(make, match):
+    with pytest.raises(LayoutError, match=match):
+        make()

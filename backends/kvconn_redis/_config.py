@@ -95,14 +95,25 @@ def _check_str(option: str, value: object, *, allow_empty: bool = False) -> str 
     return value
 
 
-def _check_positive(option: str, value: object, *, integer: bool = False) -> float:
+def _check_positive(
+    option: str, value: object, *, integer: bool = False, most: float = math.inf
+) -> float:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         kind = "an int" if integer else "a number"
         raise _fail(option, f"must be {kind} > 0, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise _fail(option, f"must be > 0 and finite, got {value!r}")
+    if value > most:
+        raise _fail(option, f"must be at most {most:g}, got {value!r}")
     return float(value)
+
+
+#: Longest socket timeout accepted: a day. Far beyond any useful wait, and far below
+#: what ``socket.settimeout`` overflows on (~1e10 s).
+_MAX_TIMEOUT_S = 86400.0
+#: Longest TTL accepted: ~31 years, which Redis's PX still holds.
+_MAX_TTL_S = 1e9
 
 
 def _check_file(option: str, value: object) -> str | None:
@@ -238,12 +249,12 @@ def make_config(
             "key_prefix", f"must be printable ASCII without spaces, like keys; got {prefix!r}"
         )
     connections = int(_check_positive("max_connections", max_connections, integer=True))
-    connect_timeout = _check_positive("connect_timeout_s", connect_timeout_s)
-    timeout = _check_positive("timeout_s", timeout_s)
+    connect_timeout = _check_positive("connect_timeout_s", connect_timeout_s, most=_MAX_TIMEOUT_S)
+    timeout = _check_positive("timeout_s", timeout_s, most=_MAX_TIMEOUT_S)
     ttl_ms = None
     if ttl_s is not None:
         # PX takes whole milliseconds; round up so a tiny TTL never becomes "no expiry".
-        ttl_ms = max(1, math.ceil(_check_positive("ttl_s", ttl_s) * 1000))
+        ttl_ms = max(1, math.ceil(_check_positive("ttl_s", ttl_s, most=_MAX_TTL_S) * 1000))
     if not isinstance(cluster, bool):
         raise _fail("cluster", f"must be a bool, got {cluster!r}")
     if not isinstance(tls_verify, bool):
