@@ -327,7 +327,7 @@ class Connector:
         slot_map = self._slot_map(slots, len(hashes))
         movers = self._require_pools()
         per_block = sum(sh.plan.page_size for sh in self.shares)
-        chunk = self._chunk_blocks(per_block, padding=64 * len(self.shares))
+        chunk = self._chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
         loaded = 0
         for start in range(0, len(hashes), chunk):
             stop = min(start + chunk, len(hashes))
@@ -350,7 +350,7 @@ class Connector:
         movers: Sequence[PageMover],
     ) -> int:
         n = stop - start
-        # Each page kind starts on a 64-byte boundary, so its pages can be read as the
+        # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
         offsets: list[int] = []
         total = 0
@@ -457,6 +457,10 @@ class Connector:
         return out
 
 
+#: Where each page kind starts in a load's staging: a multiple of every word width.
+_STAGING_ALIGN = 64
+
+
 def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:
     hashes = list(block_hashes)
     for h in hashes:
@@ -479,5 +483,5 @@ def _takes_keyword(method: Callable[..., Any], name: str) -> bool:
     )
 
 
-def _aligned(offset: int, to: int = 64) -> int:
-    return -(-offset // to) * to
+def _aligned(offset: int) -> int:
+    return -(-offset // _STAGING_ALIGN) * _STAGING_ALIGN

@@ -39,9 +39,8 @@ def shard_position(rank: int, tp_size: int, units: int) -> ShardPosition:
     keeps our shard numbering equal to the engine's head placement.
     """
     for name, value in (("rank", rank), ("tp_size", tp_size), ("units", units)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            # rank=1.0 would pass the range check and key pages "r1.0" nobody asks for
-            raise LayoutError(f"{name} must be an int, got {value!r}")
+        # rank=1.0 would pass the range check and key pages "r1.0" nobody asks for
+        _int(value, name, "shard position")
     if tp_size < 1:
         raise LayoutError(f"tp_size must be >= 1, got {tp_size}")
     if not 0 <= rank < tp_size:
@@ -89,9 +88,14 @@ class Role:
         return self.units == 1
 
 
-def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = False) -> int:
+def _int(value: object, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LayoutError(f"{where}: {what} must be an int, got {value!r}")
+    return value
+
+
+def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = False) -> int:
+    value = _int(value, what, where)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise LayoutError(f"{where}: {what} must be {bound}, got {value}")

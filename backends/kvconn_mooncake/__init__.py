@@ -776,16 +776,15 @@ class MooncakeBackend(Backend):
         retry: list[_Pending] = []
         for read in reads:
             found = stored.get(read.key)
-            wanted = 1 + len(read.duplicates)
             if found is None:
-                self.counters["get_miss"] += wanted
+                self.counters["get_miss"] += read.wanted
             elif found.size != buffers[read.target].nbytes:
-                self.counters["get_wrong_size"] += wanted
+                self.counters["get_wrong_size"] += read.wanted
             elif len(found.copies) > 1:
                 retry.append(_Pending(read.key, read.target, read.duplicates, found))
             else:
                 reader.mark_failed(c.endpoint for c in found.copies)
-                self.counters["get_failed"] += wanted
+                self.counters["get_failed"] += read.wanted
         if retry:
             self._read_from_replicas(reader, retry, buffers, ok)
 
@@ -856,7 +855,7 @@ class MooncakeBackend(Backend):
                     elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
                         # Sizes were not asked: the value is shorter than the buffer
                         # (its bytes are in the scratch buffer) or longer (-600, none).
-                        self.counters["get_wrong_size"] += 1 + len(read.duplicates)
+                        self.counters["get_wrong_size"] += read.wanted
                     else:
                         self._count_get_failure(read, code, lengths[n], offset >= 0)
         return retry
@@ -887,7 +886,7 @@ class MooncakeBackend(Backend):
                     if success:
                         self._finish(read, buffers, ok, area, round_.offsets[n], failover=True)
                     else:
-                        self.counters["get_failed"] += 1 + len(read.duplicates)
+                        self.counters["get_failed"] += read.wanted
                         log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
 
     def _finish(
@@ -919,7 +918,7 @@ class MooncakeBackend(Backend):
     ) -> None:
         """Count a failed read once per buffer that wanted the key, as misses found
         before reading are."""
-        key, wanted = read.key, 1 + len(read.duplicates)
+        key, wanted = read.key, read.wanted
         if code in codes.ABSENT:
             self.counters["get_miss"] += wanted  # evicted or removed since the size query
         elif code >= 0:
@@ -1018,6 +1017,11 @@ class _Pending:
     target: int
     duplicates: list[int]
     stored: Stored | None  # None: read without asking the size and copies first
+
+    @property
+    def wanted(self) -> int:
+        """Buffers that wanted the key: a failure is counted once per buffer."""
+        return 1 + len(self.duplicates)
 
 
 def _positions(keys: list[str]) -> dict[str, list[int]]:

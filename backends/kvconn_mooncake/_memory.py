@@ -84,20 +84,12 @@ class Registry:
             return entry
         return None
 
-    def contains(self, start: int, nbytes: int) -> bool:
-        """Whether ``[start, start + nbytes)`` lies inside one range registered with Mooncake."""
-        i = bisect.bisect_right(self._starts, start) - 1
-        if i < 0:
-            return False
-        entry = self._ranges[i]
-        return entry.mooncake and start + nbytes <= entry.end
-
     def locate(self, views: Sequence[memoryview]) -> list[int | None]:
-        """Per view, its address if it lies inside a registered range, else None.
+        """Per view, its address if it lies inside one range registered with Mooncake.
 
-        :meth:`contains` for a whole batch, inlined: this runs for every page of every
-        put and get, and a batch is usually slices of one staging buffer, so the range
-        the previous view fell in is tried first.
+        One loop for the whole batch: this runs for every page of every put and get,
+        and a batch is usually slices of one staging buffer, so the range the previous
+        view fell in is tried before a binary search.
         """
         if not self._ranges:
             return [None] * len(views)
