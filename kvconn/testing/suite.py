@@ -58,6 +58,16 @@ def _writer_process(
             backend.put([shared[i], own[i]], [value, value])
         bufs = [bytearray(4096 + i) for i in range(rounds)]
         seen = backend.get(shared, bufs)
+        # A put that found another writer's put of the key in flight answers True before
+        # that one completes, and until it does the key reads as a miss (never as torn
+        # bytes): ask again for a while, as a reader that missed would later.
+        deadline = time.monotonic() + 10
+        while not all(seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            missing = [i for i, ok in enumerate(seen) if not ok]
+            again = backend.get([shared[i] for i in missing], [bufs[i] for i in missing])
+            for i, ok in zip(missing, again):
+                seen[i] = ok
         backend.close()
         queue.put((proc, all(seen), [bytes(b) for b in bufs]))
     except BaseException as exc:  # report, never hang the parent
