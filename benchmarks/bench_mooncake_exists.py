@@ -32,8 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvconn.backend import VettedKeys
-from kvconn.devserver.mooncake import MooncakeCluster
 from kvconn.registry import load_backend
+from kvconn.tools.devserver.mooncake import MooncakeCluster
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

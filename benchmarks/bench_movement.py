@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from kvconn.models import RoleSpec, interleaved_layout
 from kvconn.movement import PageMover
 from kvconn.plan import plan_pages
+from kvconn.tools.models import RoleSpec, interleaved_layout
 
 
 def best_of(fn: Callable[[], object], repeat: int) -> float:

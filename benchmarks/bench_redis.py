@@ -8,7 +8,7 @@ and how much it gains over the latter. Runs are interleaved and the best of
 ``--repeats`` is kept, because a shared 2-core machine is noisy.
 
 ``--cluster`` measures cluster mode instead, on a 3-node Redis Cluster from
-:mod:`kvconn.devserver.redis`: kvconn's cluster backend against redis-py's
+:mod:`kvconn.tools.devserver.redis`: kvconn's cluster backend against redis-py's
 ``RedisCluster`` doing the same batches through its non-transactional pipeline (SET NX,
 GET plus the copy into caller buffers, EXISTS; one round trip per node either way) —
 what kvconn's cluster mode did before it drove the nodes with its own RESP path.
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvconn.backend import Backend
-from kvconn.devserver.redis import RedisCluster, RedisServer
 from kvconn.registry import load_backend
+from kvconn.tools.devserver.redis import RedisCluster, RedisServer
 
 Best = dict[tuple[str, str], float]  # (op, implementation) -> best ops/s
 

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from typing import Any
 
-from kvconn.cli import build_parser
-from kvconn.simulate import settings_from_args
-from kvconn.simulate.runner import simulate
+from kvconn.tools.cli import build_parser
+from kvconn.tools.simulate import settings_from_args
+from kvconn.tools.simulate.runner import simulate
 
 PARTS = ("store", "movement", "planning", "compute", "verify")
 

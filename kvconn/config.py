@@ -27,10 +27,9 @@ else:  # pragma: no cover
 ENV_PREFIX = "KVCONN_"
 ENV_OPTION_PREFIX = "KVCONN_OPTION_"
 ENV_CONFIG_FILE = "KVCONN_CONFIG"
-#: KVCONN_* variables that belong to kvconn's tools, not to a connector configuration.
-ENV_NOT_CONFIG = frozenset(
-    {"KVCONN_REQUIRE_SERVERS", "KVCONN_MOONCAKE_MASTER", "KVCONN_MOONCAKE_CLIENT"}
-)
+#: Variables of kvconn's development tools and test harness (``KVCONN_DEV_*``): never a
+#: connector setting, so ``from_env`` leaves them alone instead of calling them typos.
+ENV_TOOL_PREFIX = "KVCONN_DEV_"
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,11 @@ class ConnectorConfig:
             data["options"] = options
         names = {f.name for f in fields(cls)} - {"options"}
         for var, raw in env.items():
-            if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE or var in ENV_NOT_CONFIG:
+            if (
+                not var.startswith(ENV_PREFIX)
+                or var == ENV_CONFIG_FILE
+                or var.startswith(ENV_TOOL_PREFIX)
+            ):
                 continue
             if var.startswith(ENV_OPTION_PREFIX):
                 data["options"][var[len(ENV_OPTION_PREFIX) :].lower()] = parse_literal(raw)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvconn.errors import LayoutError
+
+if TYPE_CHECKING:  # layouts are plain data: only from_tensor reads tensors, by duck typing
+    import torch
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -303,15 +305,25 @@ def _strided_overlap(a: Region, b: Region) -> bool:
 
 
 def _interval_overlap(a: Region, b: Region) -> bool:
-    starts = torch.cat(
-        [
-            a.base + torch.arange(a.num_slots, dtype=torch.int64) * a.stride,
-            b.base + torch.arange(b.num_slots, dtype=torch.int64) * b.stride,
-        ]
-    )
-    ends = torch.cat([starts[: a.num_slots] + a.size, starts[a.num_slots :] + b.size])
-    order = torch.argsort(starts)
-    return bool((starts[order][1:] < ends[order][:-1]).any())
+    """Exact check for regions of different strides, in O(min(slots)) without arrays.
+
+    For each slot of the region with fewer slots, only the first slot of the other
+    region that ends after it starts can overlap it: later ones start later still,
+    because a region with more than one slot has ``size <= stride``.
+    """
+    if a.num_slots > b.num_slots:
+        a, b = b, a
+    for i in range(a.num_slots):
+        start = a.base + i * a.stride
+        # the first j with b.base + j*stride + size > start
+        j = 0 if b.num_slots == 1 else max(0, (start - b.base - b.size) // b.stride + 1)
+        if (
+            j < b.num_slots
+            and b.base + j * b.stride < start + a.size
+            and (b.base + j * b.stride + b.size > start)
+        ):
+            return True
+    return False
 
 
 def _check_no_overlap(groups: Iterable[LayerGroup]) -> None:

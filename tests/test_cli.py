@@ -2,12 +2,15 @@ import json
 import subprocess
 import sys
 
-from kvconn.cli import main
+from kvconn.tools.cli import main
 
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "kvconn.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvconn.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -34,3 +37,47 @@ def test_backends_json_is_machine_readable(capsys):
 def test_no_subcommand_prints_help_and_fails(capsys):
     assert main([]) == 2
     assert "usage: kvconn" in capsys.readouterr().out
+
+
+def test_help_and_the_torch_free_modules_never_import_torch():
+    """Only the connector, data movement and staging need torch: a backend, a lookup-only
+    process and ``kvconn --help`` must not pay the seconds it takes to import."""
+    modules = [
+        "kvconn",
+        "kvconn.layout",
+        "kvconn.plan",
+        "kvconn.keys",
+        "kvconn.config",
+        "kvconn.registry",
+        "kvconn.backend",
+        "kvconn.hashing",
+        "kvconn.testing",
+        "kvconn_lmdb",
+        "kvconn_redis",
+        "kvconn_mooncake",
+        "kvconn.tools.cli",
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "from kvconn.tools.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        "from kvconn import KvLayout, ConnectorConfig\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_package_exports_its_public_names_lazily():
+    import kvconn
+
+    assert kvconn.Connector.__name__ == "Connector"
+    assert set(kvconn.__all__) <= set(dir(kvconn))
+    try:
+        kvconn.NoSuchName  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchName" in str(exc)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")

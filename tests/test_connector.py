@@ -13,11 +13,11 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import BackendUnavailable, ConfigError, InvalidKeyError
 from kvconn.hashing import ReuseScope, block_hashes
-from kvconn.inspect import parse_key, parse_manifest_key
 from kvconn.keys import LAYOUT
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
-from kvconn.models import RoleSpec, interleaved_layout, minimax_m3
 from kvconn.plan import PageManifest, WriterPolicy, share_key
+from kvconn.tools.inspect_store import parse_key, parse_manifest_key
+from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group
 

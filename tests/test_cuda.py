@@ -9,7 +9,7 @@ import torch
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.hashing import block_hashes
-from kvconn.models import minimax_m3
+from kvconn.tools.models import minimax_m3
 from tests.fakes import DictBackend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

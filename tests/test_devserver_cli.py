@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from kvconn.devserver.mooncake import MooncakeCluster
-from kvconn.devserver.redis import RedisServer
 from kvconn.registry import load_backend
 from kvconn.testing.suite import require_or_skip
+from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.redis import RedisServer
 
 pytestmark = pytest.mark.server
 
 
 def start_dev_server(*args):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvconn.cli", "dev-server", *args, "--json"],
+        [sys.executable, "-m", "kvconn.tools.cli", "dev-server", *args, "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

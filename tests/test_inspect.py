@@ -9,14 +9,14 @@ from typing import Any
 import lmdb
 import pytest
 
-import kvconn.inspect
-from kvconn.cli import main
+import kvconn.tools.inspect_store
 from kvconn.hashing import block_hashes
-from kvconn.inspect import footprint, parse_key, parse_manifest_key
 from kvconn.keys import key_prefix, manifest_key, page_key
-from kvconn.models import PRESETS, minimax_m3
 from kvconn.plan import ManifestError, PageManifest, plan_pages
 from kvconn.registry import load_backend
+from kvconn.tools.cli import main
+from kvconn.tools.inspect_store import footprint, parse_key, parse_manifest_key
+from kvconn.tools.models import PRESETS, minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import tp_group
 
@@ -128,8 +128,8 @@ def test_inspect_of_an_empty_store_says_so(capsys, tmp_path):
 
 
 def test_a_backend_that_cannot_list_gets_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setattr(kvconn.inspect, "backend_class", lambda name: DictBackend)
-    monkeypatch.setattr(kvconn.inspect, "_listing_backends", lambda: ["lmdb", "redis"])
+    monkeypatch.setattr(kvconn.tools.inspect_store, "backend_class", lambda name: DictBackend)
+    monkeypatch.setattr(kvconn.tools.inspect_store, "_listing_backends", lambda: ["lmdb", "redis"])
     assert main(["inspect", "--backend", "dict"]) == 2
     err = capsys.readouterr().err
     assert "'dict' backend cannot list its keys" in err

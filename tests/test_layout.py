@@ -2,9 +2,11 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvconn.errors import LayoutError
-from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
+from kvconn.layout import KvLayout, LayerGroup, Region, Role, _strided_overlap, shard_position
 
 
 def layout(regions, *, roles=None, tp=8, pool=10_000, slots=4):
@@ -127,3 +129,24 @@ def test_roles_need_valid_names_units_and_dtypes():
         Role("k", 0, "bf16")
     with pytest.raises(LayoutError, match="dtype"):
         Role("k", 8, "")
+
+
+@st.composite
+def _regions(draw: st.DrawFn, role: str) -> Region:
+    num_slots = draw(st.integers(1, 12))
+    size = draw(st.integers(1, 40))
+    # equal strides take the analytic path, mixed ones the per-slot path
+    stride = draw(st.sampled_from([40, 48, 60]) | st.integers(size, 60)) if num_slots > 1 else 0
+    return Region(role, 0, draw(st.integers(0, 200)), size, stride, num_slots)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_regions("k"), _regions("v"))
+def test_overlap_check_agrees_with_comparing_every_byte(a, b):
+    """The analytic and the per-slot paths must find exactly the byte-level overlaps."""
+
+    def touched(r: Region) -> set[int]:
+        return {r.base + i * r.stride + x for i in range(r.num_slots) for x in range(r.size)}
+
+    assert _strided_overlap(a, b) == bool(touched(a) & touched(b))
+    assert _strided_overlap(b, a) == bool(touched(a) & touched(b))

@@ -1,7 +1,7 @@
 """The Mooncake backend against a real Mooncake Store: master, metadata server, storage.
 
 Every cluster here is started by the tests on free loopback ports
-(:class:`~kvconn.devserver.mooncake.MooncakeCluster`) and stopped at the end; clients
+(:class:`~kvconn.tools.devserver.mooncake.MooncakeCluster`) and stopped at the end; clients
 mount no memory, so data lives in standalone storage processes. A missing Mooncake
 skips locally and fails in CI (``require_or_skip``).
 """
@@ -22,14 +22,14 @@ import torch
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.devserver._ports import free_port
-from kvconn.devserver.mooncake import MooncakeCluster
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn.hashing import block_hashes
-from kvconn.models import minimax_m3
 from kvconn.registry import describe_backends, load_backend
 from kvconn.testing import BackendTests
 from kvconn.testing.suite import require_or_skip
+from kvconn.tools.devserver._ports import free_port
+from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.models import minimax_m3
 
 pytestmark = pytest.mark.server
 

@@ -4,7 +4,6 @@ from kvconn.errors import ConfigError
 from kvconn.hashing import block_hashes
 from kvconn.keys import key_prefix, shard_component
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
-from kvconn.models import RoleSpec, interleaved_layout, minimax_m3
 from kvconn.plan import (
     WriterPolicy,
     count_prefix_hit,
@@ -14,6 +13,7 @@ from kvconn.plan import (
     share_key,
     writer_replica,
 )
+from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
 
 H = block_hashes(list(range(32 * 4)), 32)
 PREFIX = key_prefix("kvconn", "Org/Model-FP8@r1")

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from kvconn.backend import Backend
-from kvconn.devserver._ports import free_port
-from kvconn.devserver.redis import RedisCluster, RedisServer
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn.registry import load_backend
 from kvconn.testing import BackendTests
 from kvconn.testing.suite import require_or_skip
+from kvconn.tools.devserver._ports import free_port
+from kvconn.tools.devserver.redis import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.server
 

@@ -20,8 +20,8 @@ from kvconn.connector import Connector
 from kvconn.errors import BackendUnavailable, ConfigError, LayoutError
 from kvconn.hashing import block_hashes
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
-from kvconn.models import minimax_m3
 from kvconn.movement import PageMover, flat_bytes
+from kvconn.tools.models import minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group
 
@@ -116,10 +116,11 @@ def test_connector_round_trips_pages_between_pools_that_are_slices_of_one_alloca
 
 
 @pytest.mark.parametrize(
-    "var", ["KVCONN_REQUIRE_SERVERS", "KVCONN_MOONCAKE_MASTER", "KVCONN_MOONCAKE_CLIENT"]
+    "var",
+    ["KVCONN_DEV_REQUIRE_SERVERS", "KVCONN_DEV_MOONCAKE_MASTER", "KVCONN_DEV_MOONCAKE_CLIENT"],
 )
 def test_config_from_env_tolerates_kvconn_own_non_config_variables(var):
-    """kvconn itself reads these (testing/suite.py, devserver/mooncake.py); a process that
+    """kvconn's tools read these (testing/suite.py, tools/devserver/mooncake.py); a process that
     has them set (any CI job running the suite) must still be configurable from env."""
     config = ConnectorConfig.from_env({"KVCONN_MODEL": "m", var: "1"})
     assert config.model == "m"

@@ -16,12 +16,12 @@ from typing import Any
 import lmdb
 import pytest
 
-from kvconn.cli import main
 from kvconn.errors import ConfigError, LayoutError
-from kvconn.models import PRESETS, get_preset, load_preset, minimax_m3
 from kvconn.plan import plan_pages
-from kvconn.simulate.synth import Synth
-from kvconn.simulate.workload import WorkloadSpec, generate
+from kvconn.tools.cli import main
+from kvconn.tools.models import PRESETS, get_preset, load_preset, minimax_m3
+from kvconn.tools.simulate.synth import Synth
+from kvconn.tools.simulate.workload import WorkloadSpec, generate
 
 pytestmark = pytest.mark.slow
 
@@ -352,8 +352,8 @@ def test_a_preset_refuses_a_tp_size_its_heads_cannot_split_over():
 
 def test_a_rank_that_fails_to_start_stops_the_run_with_its_error():
     from kvconn.config import ConnectorConfig
-    from kvconn.simulate.runner import SimulationError, _Group
-    from kvconn.simulate.worker import RankSpec
+    from kvconn.tools.simulate.runner import SimulationError, _Group
+    from kvconn.tools.simulate.worker import RankSpec
 
     config = ConnectorConfig(model="m", backend="lmdb", options={"path": "/nonexistent/\0bad"})
     spec = RankSpec(0, get_preset("llama-3.1-70b"), 8, 1, 4, 32, config)

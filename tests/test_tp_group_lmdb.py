@@ -4,8 +4,8 @@ import functools
 
 import pytest
 
-from kvconn.models import minimax_m3
 from kvconn.testing.tpgroup import assert_group_consistent, overlapping_requests, run_tp_group
+from kvconn.tools.models import minimax_m3
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import torch
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.devserver.redis import RedisCluster, RedisServer
 from kvconn.hashing import block_hashes
-from kvconn.models import minimax_m3
 from kvconn.testing.suite import require_or_skip
 from kvconn.testing.tpgroup import assert_group_consistent, overlapping_requests, run_tp_group
+from kvconn.tools.devserver.redis import RedisCluster, RedisServer
+from kvconn.tools.models import minimax_m3
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -402,7 +402,7 @@ class BackendTests:
 
 def in_ci() -> bool:
     """CI sets this: server-backed suites then fail instead of skipping."""
-    return os.environ.get("KVCONN_REQUIRE_SERVERS", "") not in ("", "0") or os.environ.get(
+    return os.environ.get("KVCONN_DEV_REQUIRE_SERVERS", "") not in ("", "0") or os.environ.get(
         "CI", ""
     ).lower() in ("1", "true")
 

@@ -54,8 +54,8 @@ from types import TracebackType
 from typing import IO, Any
 
 from kvconn.config import parse_size as parse_bytes
-from kvconn.devserver import _live
-from kvconn.devserver._ports import free_port, log_tail, wait_for_port
+from kvconn.tools.devserver import _live
+from kvconn.tools.devserver._ports import free_port, log_tail, wait_for_port
 
 __all__ = ["MooncakeCluster", "add_arguments", "main", "parse_size", "run"]
 
@@ -66,8 +66,8 @@ _IBVERBS_HINT = "apt-get install libibverbs1"
 _MASTER_BINARY = "mooncake_master"
 _STORAGE_BINARY = "mooncake_client"
 #: Environment variables that override where the binaries are found.
-_MASTER_ENV = "KVCONN_MOONCAKE_MASTER"
-_STORAGE_ENV = "KVCONN_MOONCAKE_CLIENT"
+_MASTER_ENV = "KVCONN_DEV_MOONCAKE_MASTER"
+_STORAGE_ENV = "KVCONN_DEV_MOONCAKE_CLIENT"
 
 _DEFAULT_SEGMENT_SIZE = 256 * 2**20
 _DEFAULT_LOCAL_BUFFER_SIZE = 64 * 2**20
@@ -861,9 +861,9 @@ def _print_cluster(cluster: MooncakeCluster, *, as_json: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvconn.devserver.mooncake``: the dev-server command on its own."""
+    """``python -m kvconn.tools.devserver.mooncake``: the dev-server command on its own."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvconn.devserver.mooncake",
+        prog="python -m kvconn.tools.devserver.mooncake",
         description=(__doc__ or "").strip().split("\n\n")[0],
     )
     add_arguments(parser)

@@ -24,8 +24,8 @@ import sys
 from typing import Any
 
 from kvconn.errors import ConfigError
-from kvconn.models import PRESETS, Preset, get_preset, load_preset
-from kvconn.simulate.store import add_store_arguments, connector_config
+from kvconn.tools.models import PRESETS, Preset, get_preset, load_preset
+from kvconn.tools.store_options import add_store_arguments, connector_config
 
 DEFAULT_MODEL = "minimax-m3"
 DEFAULT_LAYERS = 2
@@ -115,11 +115,11 @@ def _layers(text: str, preset: Preset) -> int:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    """Validated :class:`~kvconn.simulate.runner.SimSettings` from parsed arguments."""
+    """Validated :class:`~kvconn.tools.simulate.runner.SimSettings` from parsed arguments."""
     import multiprocessing
 
-    from kvconn.simulate.runner import SimSettings
-    from kvconn.simulate.workload import WorkloadSpec, parse_range
+    from kvconn.tools.simulate.runner import SimSettings
+    from kvconn.tools.simulate.workload import WorkloadSpec, parse_range
 
     preset = _preset(args)
     layers = _layers(args.layers, preset)
@@ -155,8 +155,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 when every loaded page verified, 1 when any did not."""
-    from kvconn.simulate.report import format_report
-    from kvconn.simulate.runner import simulate
+    from kvconn.tools.simulate.report import format_report
+    from kvconn.tools.simulate.runner import simulate
 
     settings = settings_from_args(args)
     show = args.progress if args.progress is not None else sys.stderr.isatty()

@@ -24,13 +24,13 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
-from kvconn.models import Preset
 from kvconn.plan import lookup_keys
 from kvconn.registry import load_backend
-from kvconn.simulate.report import build_report
-from kvconn.simulate.store import TimedBackend, describe_location, timed
-from kvconn.simulate.worker import RankSpec, rank_main
-from kvconn.simulate.workload import Request, WorkloadSpec, generate
+from kvconn.tools.models import Preset
+from kvconn.tools.simulate.report import build_report
+from kvconn.tools.simulate.timing import TimedBackend, describe_location, timed
+from kvconn.tools.simulate.worker import RankSpec, rank_main
+from kvconn.tools.simulate.workload import Request, WorkloadSpec, generate
 
 START_METHODS = ("forkserver", "spawn")
 
@@ -105,7 +105,7 @@ class _Group:
             # that clean server (never of this process, its threads or its store handles),
             # which starts 8 ranks in about a second instead of 8 torch imports.
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["kvconn.simulate.worker"])
+            ctx.set_forkserver_preload(["kvconn.tools.simulate.worker"])
         else:
             ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []

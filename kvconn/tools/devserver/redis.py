@@ -30,8 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, TypeAlias
 
-from kvconn.devserver import _live
-from kvconn.devserver._ports import free_port, log_tail, wait_for_port
+from kvconn.tools.devserver import _live
+from kvconn.tools.devserver._ports import free_port, log_tail, wait_for_port
 
 __all__ = ["RedisCluster", "RedisServer"]
 

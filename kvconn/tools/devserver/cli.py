@@ -14,8 +14,8 @@ import signal
 import sys
 import threading
 
-from kvconn.devserver import mooncake
-from kvconn.devserver.redis import RedisCluster, RedisServer
+from kvconn.tools.devserver import mooncake
+from kvconn.tools.devserver.redis import RedisCluster, RedisServer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

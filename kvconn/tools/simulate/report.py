@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvconn.layout import KvLayout
+from kvconn.tools.store_options import human_bytes
 
 if TYPE_CHECKING:
-    from kvconn.simulate.runner import SimSettings
+    from kvconn.tools.simulate.runner import SimSettings
 
 TIME_PARTS = ("store", "movement", "planning", "compute", "verify")
 
@@ -131,14 +132,6 @@ def build_report(
         "time_s": times,
         "cpu_s": cpu,
     }
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _percent(value: float | None) -> str:

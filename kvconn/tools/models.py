@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvconn.config import load_toml
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
@@ -424,10 +422,3 @@ def load_preset(path: str | os.PathLike[str]) -> Preset:
 def minimax_m3(tp_size: int = 8, layers: int = 4, num_slots: int = 64) -> KvLayout:
     """MiniMax-M3: 8 KV heads x 128 bf16 for K and V; a replicated index-K."""
     return MINIMAX_M3_PRESET.layout(tp_size, layers, num_slots)
-
-
-def make_pool(layout: KvLayout, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for size in layout.pool_sizes
-    ]

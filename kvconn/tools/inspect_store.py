@@ -35,6 +35,7 @@ from kvconn.errors import ConfigError
 from kvconn.keys import LAYOUT, manifest_prefix
 from kvconn.plan import ManifestError, PageManifest
 from kvconn.registry import backend_class, installed_backends, load_backend
+from kvconn.tools.store_options import add_store_arguments, human_bytes, store_settings
 
 _SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
 _GROUP = re.compile(r"^lg(0|[1-9][0-9]*)$")
@@ -371,8 +372,6 @@ def read_manifests(fp: Footprint, backend: Backend, prefix: str = "") -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvconn.simulate.store import add_store_arguments
-
     parser.add_argument(
         "--prefix",
         default="",
@@ -394,8 +393,6 @@ def _listing_backends() -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvconn.simulate.store import store_settings
-
     settings = store_settings(args)
     name = settings["backend"]
     cls = backend_class(name)
@@ -423,15 +420,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(n: float) -> str:
-    from kvconn.simulate.report import human_bytes
-
-    return human_bytes(n)
-
-
 def _roles_text(c: Mapping[str, Any]) -> str:
     if c["roles"] is not None:
-        return ", ".join(f"{name} {_human(r['bytes'])}" for name, r in c["roles"].items())
+        return ", ".join(f"{name} {human_bytes(r['bytes'])}" for name, r in c["roles"].items())
     if c["manifest"] == "invalid":
         return "unknown (invalid manifest)"
     return "unknown (no manifest)"
@@ -441,7 +432,7 @@ def format_footprint(result: Mapping[str, Any]) -> str:
     lines = [
         f"kvconn inspect: {result['store']}"
         + (f", keys starting with {result['prefix']!r}" if result["prefix"] else ""),
-        f"  {result['keys']:,} keys, {_human(result['bytes'])}",
+        f"  {result['keys']:,} keys, {human_bytes(result['bytes'])}",
     ]
     if not result["models"] and not result["other_keys"]:
         lines.append("  (empty)")
@@ -450,15 +441,15 @@ def format_footprint(result: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append(
             f"  {model['namespace']}/{model['model']}: {model['pages']:,} pages, "
-            f"{_human(model['bytes'])} (replicated {model['replicated_bytes'] / total:.1%}, "
+            f"{human_bytes(model['bytes'])} (replicated {model['replicated_bytes'] / total:.1%}, "
             f"sharded {model['sharded_bytes'] / total:.1%})"
         )
         by_role = [
-            f"{name} {_human(n)} ({n / total:.1%})" for name, n in model["role_bytes"].items()
+            f"{name} {human_bytes(n)} ({n / total:.1%})" for name, n in model["role_bytes"].items()
         ]
         if model["unknown_role_bytes"]:
             n = model["unknown_role_bytes"]
-            by_role.append(f"unknown roles {_human(n)} ({n / total:.1%})")
+            by_role.append(f"unknown roles {human_bytes(n)} ({n / total:.1%})")
         if by_role:
             lines.append(f"    by role: {', '.join(by_role)}")
         if model["classes"]:
@@ -469,8 +460,8 @@ def format_footprint(result: Mapping[str, Any]) -> str:
         for c in model["classes"]:
             lines.append(
                 f"    {c['shard_class']:<11} {'lg' + str(c['layer_group']):>5} "
-                f"{c['tokens_per_block']:>6} {_human(c['page_bytes']):>11} {c['blocks']:>8,} "
-                f"{c['shards_present']:>6} {c['pages']:>9,} {_human(c['bytes']):>12}  "
+                f"{c['tokens_per_block']:>6} {human_bytes(c['page_bytes']):>11} {c['blocks']:>8,} "
+                f"{c['shards_present']:>6} {c['pages']:>9,} {human_bytes(c['bytes']):>12}  "
                 f"{_roles_text(c)}"
             )
             if c["size_mismatches"]:
@@ -483,7 +474,7 @@ def format_footprint(result: Mapping[str, Any]) -> str:
         if model["manifest_keys"]:
             lines.append(
                 f"    {model['manifest_keys']:,} layout manifest(s), "
-                f"{_human(model['manifest_bytes'])}: metadata, not counted as page bytes"
+                f"{human_bytes(model['manifest_bytes'])}: metadata, not counted as page bytes"
             )
         shown = {
             (c["layer_group"], c["fingerprint"]) for c in model["classes"] if c["manifest_problem"]
@@ -494,7 +485,7 @@ def format_footprint(result: Mapping[str, Any]) -> str:
     if result["other_keys"]:
         lines.append("")
         lines.append(
-            f"  {result['other_keys']:,} other key(s), {_human(result['other_bytes'])}: "
+            f"  {result['other_keys']:,} other key(s), {human_bytes(result['other_bytes'])}: "
             "not kvconn page keys or layout manifests"
         )
     return "\n".join(lines)

@@ -18,13 +18,16 @@ from kvconn.errors import KvconnError
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "backends": ("kvconn.cli", "list installed storage backends and whether they can load"),
+    "backends": ("kvconn.tools.cli", "list installed storage backends and whether they can load"),
     "simulate": (
-        "kvconn.simulate",
+        "kvconn.tools.simulate",
         "run a TP serving workload with a real model layout, verify every load, report footprint",
     ),
-    "inspect": ("kvconn.inspect", "report a store's footprint by model and role"),
-    "dev-server": ("kvconn.devserver.cli", "run a local Redis or Mooncake server for development"),
+    "inspect": ("kvconn.tools.inspect_store", "report a store's footprint by model and role"),
+    "dev-server": (
+        "kvconn.tools.devserver.cli",
+        "run a local Redis or Mooncake server for development",
+    ),
 }
 
 DESCRIPTION = """\

@@ -22,11 +22,11 @@ import torch
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.layout import KvLayout, Region
-from kvconn.models import Preset
 from kvconn.plan import RankShare, share_key
 from kvconn.registry import load_backend
-from kvconn.simulate.store import TimedBackend, timed
-from kvconn.simulate.synth import Synth
+from kvconn.tools.models import Preset
+from kvconn.tools.simulate.synth import Synth
+from kvconn.tools.simulate.timing import TimedBackend, timed
 
 T = TypeVar("T")
 

@@ -1,98 +1,15 @@
-"""Store selection shared by ``kvconn simulate`` and ``kvconn inspect``, and a timing shim.
-
-Both commands take the same options (``--backend NAME --option key=value``, ``--path``,
-``--config FILE``) so that a footprint printed by ``inspect`` is the footprint of the
-store ``simulate`` just wrote, whichever backend that is.
-"""
+"""A backend wrapper that times the store, so ``kvconn simulate`` can split its own
+planning time from the store's."""
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from kvconn.backend import Backend
-from kvconn.config import ConnectorConfig, load_toml, parse_literal
-from kvconn.errors import ConfigError
 
 T = TypeVar("T")
-
-DEFAULT_BACKEND = "lmdb"
-
-
-def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("store")
-    group.add_argument(
-        "--backend",
-        default=None,
-        help=f"backend name (entry point in 'kvconn.backends'); default {DEFAULT_BACKEND}",
-    )
-    group.add_argument(
-        "--option",
-        "-o",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="backend option, repeatable; VALUE is read as a TOML literal when it is one "
-        '(8, true, "x"), else as a string',
-    )
-    group.add_argument(
-        "--path",
-        default=None,
-        help="shorthand for --option path=PATH (lmdb: the store directory; default "
-        "$XDG_CACHE_HOME/kvconn/lmdb)",
-    )
-    group.add_argument(
-        "--config",
-        default=None,
-        metavar="FILE",
-        help="a kvconn configuration TOML (model, backend, options, namespace, "
-        "writer_policy ...); the flags above override it",
-    )
-    group.add_argument("--namespace", default=None, help="key namespace (default kvconn)")
-
-
-def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``["map_size=1073741824", "path=/tmp/x"]`` -> ``{"map_size": 1073741824, ...}``."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--option expects KEY=VALUE, got {pair!r}")
-        out[key] = parse_literal(raw)
-    return out
-
-
-def store_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The configuration table from ``--config`` overlaid by the explicit flags."""
-    data: dict[str, Any] = dict(load_toml(args.config)) if args.config else {}
-    options = dict(data.get("options", {}))
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"{args.config}: 'options' must be a table")
-    if args.backend is not None:
-        if data.get("backend") not in (None, args.backend):
-            options = {}  # options of another backend would be rejected as unknown
-        data["backend"] = args.backend
-    data.setdefault("backend", DEFAULT_BACKEND)
-    options.update(parse_options(args.option))
-    if args.path is not None:
-        options["path"] = args.path
-    data["options"] = options
-    if args.namespace is not None:
-        data["namespace"] = args.namespace
-    return data
-
-
-def connector_config(
-    args: argparse.Namespace, model: str, overrides: Mapping[str, Any] | None = None
-) -> ConnectorConfig:
-    """A full connector configuration; ``model`` is used when the file names none."""
-    data = store_settings(args)
-    data.setdefault("model", model)
-    data.update(overrides or {})
-    return ConnectorConfig.from_dict(data)
 
 
 class TimedBackend(Backend):
