@@ -121,13 +121,13 @@ class _CountingStore:
 
 
 def _count_calls(backend: Any) -> _CountingStore:
-    counting = _CountingStore(backend._store)
-    backend._store = counting
+    counting = _CountingStore(backend._session.store)
+    backend._session.store = counting
     return counting
 
 
 def _uncount(backend: Any, counting: _CountingStore) -> None:
-    backend._store = counting._store
+    backend._session.store = counting._store
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_a_put_another_writer_has_in_flight_reads_as_a_miss_never_as_torn_bytes(
     backend: Any, prefix: str
 ) -> None:
     key = f"{prefix}/in-flight"
-    raw = backend._store
+    raw = backend._session.store
     assert raw.batch_put_session_start([key], [4096]) == [0]  # reserved, bytes not yet sent
     try:
         buf = bytearray(b"\x22" * 4096)
@@ -313,31 +313,31 @@ class _ScriptedExists:
 def test_a_negative_exists_code_raises_naming_it_and_never_reads_as_a_miss(
     backend: Any, answers: list[int]
 ) -> None:
-    real = backend._store
-    backend._store = _ScriptedExists(real, answers)
+    real = backend._session.store
+    backend._session.store = _ScriptedExists(real, answers)
     try:
         worst = str(min(answers))
         with pytest.raises(BackendError, match=f"exists failed with {worst} "):
             backend.exists(["k/1", "k/2", "k/3"])
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_an_exists_answer_of_the_wrong_length_raises(backend: Any) -> None:
-    real = backend._store
-    backend._store = _ScriptedExists(real, [1, 0])
+    real = backend._session.store
+    backend._session.store = _ScriptedExists(real, [1, 0])
     try:
         with pytest.raises(BackendError, match="answered 2/3"):
             backend.exists(["k/1", "k/2", "k/3"])
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_exists_asks_once_more_after_a_lost_master_and_then_reports_it_unavailable(
     backend: Any,
 ) -> None:
-    real = backend._store
-    scripted = backend._store = _ScriptedExists(real, [-900, -900])
+    real = backend._session.store
+    scripted = backend._session.store = _ScriptedExists(real, [-900, -900])
     try:
         with pytest.raises(BackendUnavailable, match="-900"):
             backend.exists(["k/1", "k/2"])
@@ -345,7 +345,7 @@ def test_exists_asks_once_more_after_a_lost_master_and_then_reports_it_unavailab
         scripted.answers = [1, 0]
         assert backend.exists(["k/1", "k/2"]) == [True, False]
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_exists_answers_any_mix_of_hits_and_misses_per_key(backend: Any, prefix: str) -> None:
@@ -580,7 +580,7 @@ def test_a_client_that_mounts_memory_serves_its_pages_to_others_with_the_shared_
         host = _open(_options(bare, global_segment_size=32 * MiB))
         reader = _open(_options(bare))
         try:
-            assert host._reader is not None  # fail-over on: the client shares our engine
+            assert host._session.reader is not None  # fail-over on: the client shares an engine
             keys = [f"embedded/{i}" for i in range(8)]
             values = [_value(i, 64 * 1024) for i in range(8)]
             assert host.put(keys, values) == [True] * 8
@@ -615,7 +615,7 @@ def test_the_connector_registers_its_staging_once_and_moves_pages_without_copies
         assert conn.lookup(hashes).blocks == 4
         result = conn.load(hashes, [4, 5, 6, 7])
         assert result.ok and result.loaded == 4
-        assert len(backend._registry) == 1  # the staging buffer, registered once
+        assert len(backend._session.memory.registry) == 1  # the staging buffer, registered once
         assert backend.counters["put_scratch"] == backend.counters["get_scratch"] == 0
         # every page, plus one layout manifest per page kind, went out without a copy
         assert backend.counters["put_zero_copy"] == saved.written + len(conn.plans)
@@ -737,6 +737,7 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
         "probe_timeout_s": 0.5,
         "scratch_bytes": MiB,
         "read_env": True,
+        "read_failover": True,
     }
     env = {
         "MOONCAKE_MASTER": "env:1",
@@ -744,16 +745,16 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
         "MOONCAKE_GLOBAL_SEGMENT_SIZE": "3.125gb",
         "MOONCAKE_DEVICE": "mlx5_0",
     }
-    config = make_config({"master_address": "opt:2"}, environ=env, **knobs)
+    config = make_config({"master_address": "opt:2", **knobs}, environ=env)
     assert (config.master_address, config.protocol) == ("opt:2", "rdma")
     assert config.global_segment_size == 3355443200 and config.device_name == "mlx5_0"
     assert config.metadata_server == "P2PHANDSHAKE" and config.sources["metadata_server"] == (
         "default"
     )
-    config = make_config({"device_name": ["mlx5_0", "mlx5_1"]}, environ=env, **knobs)
+    config = make_config({"device_name": ["mlx5_0", "mlx5_1"], **knobs}, environ=env)
     assert config.device_name == "mlx5_0,mlx5_1"
     assert config.master_host_port == ("env", 1)
-    etcd = make_config({"master_address": "etcd://a:1;b:2"}, environ={}, **knobs)
+    etcd = make_config({"master_address": "etcd://a:1;b:2", **knobs}, environ={})
     assert etcd.master_host_port is None  # no TCP probe for a master with HA
 
 
