@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -756,6 +760,65 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
     assert config.master_host_port == ("env", 1)
     etcd = make_config({"master_address": "etcd://a:1;b:2", **knobs}, environ={})
     assert etcd.master_host_port is None  # no TCP probe for a master with HA
+
+
+# ---------------------------------------------------------------- logging
+#: A client's whole life: set-up, a put and a get, close. Prints MC_LOG_LEVEL as the
+#: process sees it afterwards, to show that kvconn's default was not left behind.
+_CLIENT_LIFE = """
+import json, os, sys
+from kvconn.registry import load_backend
+backend = load_backend("mooncake", json.loads(sys.argv[1]))
+assert backend.put(["logging/k"], [b"x" * 4096]) == [True]
+buffer = bytearray(4096)
+assert backend.get(["logging/k"], [buffer]) == [True] and buffer == b"x" * 4096
+backend.close()
+print(os.environ.get("MC_LOG_LEVEL"))
+"""
+_GLOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.MULTILINE)
+
+
+def _client_life(cluster: MooncakeCluster, log_level: str | None) -> tuple[str, Counter[str]]:
+    """Run :data:`_CLIENT_LIFE` in a fresh process; its stdout and glog lines by level."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    if log_level is not None:
+        env["MC_LOG_LEVEL"] = log_level
+    run = subprocess.run(
+        [sys.executable, "-c", _CLIENT_LIFE, json.dumps(_options(cluster))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout + run.stderr, Counter(_GLOG_LINE.findall(run.stderr))
+
+
+def test_a_backend_writes_no_mooncake_info_lines_to_stderr_by_default(
+    cluster: MooncakeCluster,
+) -> None:
+    output, levels = _client_life(cluster, None)
+    assert levels["I"] == 0, output
+    assert output.startswith("None\n")  # the process's environment is as it was
+
+
+@pytest.mark.parametrize(
+    ("log_level", "shown"), [("INFO", "IWE"), ("ERROR", "E")], ids=["info", "error"]
+)
+def test_an_mc_log_level_the_user_set_wins_over_the_quiet_default(
+    cluster: MooncakeCluster, log_level: str, shown: str
+) -> None:
+    output, levels = _client_life(cluster, log_level)
+    assert {level for level, n in levels.items() if n} == set(shown), output
+    assert output.startswith(f"{log_level}\n")
+
+
+def test_an_mc_log_level_mooncake_does_not_know_is_named_in_a_warning(
+    cluster: MooncakeCluster,
+) -> None:
+    output, levels = _client_life(cluster, "warning")  # Mooncake wants capitals
+    assert "MC_LOG_LEVEL='warning' is not a level Mooncake knows" in output
+    assert levels["I"] > 0  # as the warning says: Mooncake logs at INFO then
 
 
 def _client_problem() -> str | None:
