@@ -8,6 +8,7 @@ skips locally and fails in CI (``require_or_skip``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -819,6 +820,16 @@ def test_an_mc_log_level_mooncake_does_not_know_is_named_in_a_warning(
     output, levels = _client_life(cluster, "warning")  # Mooncake wants capitals
     assert "MC_LOG_LEVEL='warning' is not a level Mooncake knows" in output
     assert levels["I"] > 0  # as the warning says: Mooncake logs at INFO then
+
+
+def test_every_option_of_the_backend_is_documented_in_docs_backends_md() -> None:
+    from kvconn_mooncake import MooncakeBackend
+
+    text = (Path(__file__).parents[1] / "docs" / "backends.md").read_text(encoding="utf-8")
+    section = text.split("## `mooncake`", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)`", section, re.MULTILINE))
+    options = set(inspect.signature(MooncakeBackend.__init__).parameters) - {"self"}
+    assert documented == options
 
 
 def _client_problem() -> str | None:
