@@ -666,7 +666,7 @@ def _move_keys(cluster: RedisCluster, source: int, target: int, keys: list[str])
     reply = cluster.nodes[source].command(
         "MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys
     )
-    assert reply == "OK", reply
+    assert reply == b"OK", reply
 
 
 def _finish_migration(cluster: RedisCluster, slot: int, target: int) -> None:
@@ -1177,11 +1177,11 @@ def test_a_cluster_that_requires_a_password_given_none_is_a_configuration_error(
     mode the NOAUTH reply to CLUSTER SLOTS must do the same, not read as an outage that
     only logs a warning and makes every later call BackendUnavailable."""
     require_or_skip(RedisCluster.available())
-    cluster = RedisCluster(1).start()
+    cluster = RedisCluster(3).start()
     try:
-        node = cluster.nodes[0]
-        node.command("CONFIG", "SET", "requirepass", "clu-pass")
-        node.password = "clu-pass"
+        for node in cluster.nodes:
+            node.command("CONFIG", "SET", "requirepass", "clu-pass")
+            node.password = "clu-pass"
         with pytest.raises(ConfigError, match="NOAUTH"):
             _open(cluster.options)
         backend = _open({**cluster.options, "password": "clu-pass"})
