@@ -145,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     moon.add_argument("master_args", nargs="*", help="extra mooncake_master flags (after --)")
     for store in (redis, moon):
-        store.add_argument("--json", action="store_true", help="print the options as one line")
+        store.add_argument("--json", action="store_true", help="print the options as one JSON line")
 
 
 def run(args: argparse.Namespace) -> int:
