@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from mirakuru.exceptions import (
     TimeoutExpired,
 )
 
-__all__ = ["HttpChild", "StartError", "TcpChild", "launch", "log_tail", "stop"]
+__all__ = ["HttpChild", "StartError", "TcpChild", "cannot_run", "launch", "log_tail", "stop"]
 
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.02
@@ -58,6 +59,18 @@ def log_tail(log_path: Path, max_lines: int = 30) -> str:
         return f"({log_path} unreadable: {exc})"
     runs = [i for i, line in enumerate(lines) if line.startswith("$ ")]
     return "\n".join(lines[runs[-1] if runs else 0 :][-max_lines:]) or "(log is empty)"
+
+
+def cannot_run(binary: str | Path | None, hint: str) -> str | None:
+    """Why ``binary --version`` does not run (a pytest skip reason), or None if it does."""
+    path = shutil.which(binary) if binary is not None else None
+    if path is None:
+        return f"{binary or 'the server binary'} not found: {hint}"
+    try:
+        subprocess.run([path, "--version"], capture_output=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{binary} cannot run: {exc}"
+    return None
 
 
 def _new_session_dying_with_parent() -> Callable[[], None]:

@@ -12,6 +12,7 @@ is run, so ``kvconn --help`` works without them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import signal
@@ -20,7 +21,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvconn.errors import ConfigError
 from kvconn.tools.devserver import DEVSERVER_EXTRA, MIN_CLUSTER_NODES, MIN_SEGMENT_SIZE, byte_size
@@ -35,10 +36,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _checked(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+T = TypeVar("T")
+
+
+def _flag_type(convert: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse ``type`` whose ValueError becomes ``argument --flag: 'value': why``."""
 
-    def parse(text: str) -> Any:
+    @functools.wraps(convert)
+    def parse(text: str) -> T:
         try:
             return convert(text)
         except (ValueError, OSError) as exc:
@@ -57,14 +62,17 @@ def _whole(text: str, low: int, high: int | None = None) -> int:
     return value
 
 
+@_flag_type
 def _port(text: str) -> int:
     return _whole(text, 1, _MAX_PORT)
 
 
+@_flag_type
 def _at_least_one(text: str) -> int:
     return _whole(text, 1)
 
 
+@_flag_type
 def _cluster_nodes(text: str) -> int:
     nodes = _whole(text, 0)
     if 0 < nodes < MIN_CLUSTER_NODES:
@@ -72,6 +80,10 @@ def _cluster_nodes(text: str) -> int:
     return nodes
 
 
+_size = _flag_type(byte_size)
+
+
+@_flag_type
 def _segment_size(text: str) -> int:
     size = byte_size(text)
     if size < MIN_SEGMENT_SIZE:
@@ -79,6 +91,7 @@ def _segment_size(text: str) -> int:
     return size
 
 
+@_flag_type
 def _local_address(text: str) -> str:
     """An address of this machine: what the master and storage processes can bind."""
     with socket.socket() as probe:
@@ -86,6 +99,7 @@ def _local_address(text: str) -> str:
     return text
 
 
+@_flag_type
 def _directory(text: str) -> Path:
     path = Path(text)
     path.mkdir(parents=True, exist_ok=True)  # fails on a file, or under one
@@ -99,50 +113,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one redis-server, or a Redis Cluster",
         description="Start redis-server on 127.0.0.1 with persistence off.",
     )
-    redis.add_argument("--port", type=_checked(_port), help="port (default: a free one)")
+    redis.add_argument("--port", type=_port, help="port (default: a free one)")
     redis.add_argument(
-        "--maxmemory",
-        type=_checked(byte_size),
-        help="evict beyond this size, e.g. 1gb or 512MiB (binary units, as everywhere in kvconn)",
+        "--maxmemory", type=_size, help="evict beyond this size, e.g. 1gb (binary units)"
     )
-    redis.add_argument(
-        "--maxmemory-policy", help="e.g. allkeys-lru (with --maxmemory); redis-server checks it"
-    )
+    redis.add_argument("--maxmemory-policy", help="e.g. allkeys-lru; redis-server checks it")
     redis.add_argument(
         "--cluster",
-        type=_checked(_cluster_nodes),
+        type=_cluster_nodes,
         default=0,
         metavar="N",
-        help=f"start an N-node Redis Cluster (N >= {MIN_CLUSTER_NODES}) on free ports",
+        help=f"an N-node Redis Cluster, N >= {MIN_CLUSTER_NODES}",
     )
     moon = sub.add_parser(
         "mooncake",
         help="a Mooncake master and storage processes",
         description="Start mooncake_master and standalone storage processes on free ports.",
     )
-    moon.add_argument(
-        "--storage-processes",
-        type=_checked(_at_least_one),
-        default=1,
-        help="standalone storage processes (1)",
-    )
+    moon.add_argument("--storage-processes", type=_at_least_one, default=1, help="how many (1)")
     moon.add_argument(
         "--segment-size",
-        type=_checked(_segment_size),
+        type=_segment_size,
         default="256MiB",
-        help="memory each storage process contributes, e.g. 256MiB, 1GiB (256MiB)",
+        help="memory per storage process, e.g. 1GiB (256MiB)",
     )
-    moon.add_argument(
-        "--host", type=_checked(_local_address), default="127.0.0.1", help="address to bind"
-    )
-    moon.add_argument(
-        "--client-ttl", type=_checked(_at_least_one), help="master --client_ttl seconds (10)"
-    )
-    moon.add_argument(
-        "--log-dir",
-        type=_checked(_directory),
-        help="keep logs here instead of a temporary directory",
-    )
+    moon.add_argument("--host", type=_local_address, default="127.0.0.1", help="address to bind")
+    moon.add_argument("--client-ttl", type=_at_least_one, help="master --client_ttl seconds (10)")
+    moon.add_argument("--log-dir", type=_directory, help="keep logs here (default: a temp dir)")
     moon.add_argument("master_args", nargs="*", help="extra mooncake_master flags (after --)")
     for store in (redis, moon):
         store.add_argument("--json", action="store_true", help="print the options as one JSON line")

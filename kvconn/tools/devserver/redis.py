@@ -28,7 +28,14 @@ from redis.retry import Retry
 
 from kvconn.tools.devserver import MIN_CLUSTER_NODES, byte_size
 from kvconn.tools.devserver._ports import free_port, free_port_pair
-from kvconn.tools.devserver._process import StartError, TcpChild, launch, log_tail, stop
+from kvconn.tools.devserver._process import (
+    StartError,
+    TcpChild,
+    cannot_run,
+    launch,
+    log_tail,
+    stop,
+)
 
 __all__ = ["RedisCluster", "RedisServer"]
 
@@ -45,18 +52,6 @@ _PORT_ATTEMPTS = 5
 #: How redis-server quotes the command-line directive it refused, e.g.
 #: ``>>> 'maxmemory-policy "bogus"'`` followed by the reason on the next line.
 _REFUSED_DIRECTIVE = re.compile(r"^>>> '(\S+) ?(.*)'$")
-
-
-def _binary_problem(binary: str) -> str | None:
-    """None if ``binary --version`` runs, else why not (for a pytest skip reason)."""
-    path = shutil.which(binary)
-    if path is None:
-        return f"{binary} not found: {_INSTALL_HINT}"
-    try:
-        subprocess.run([path, "--version"], capture_output=True, timeout=10, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{binary} cannot run: {exc}"
-    return None
 
 
 def _fields(reply: Any) -> dict[str, str]:
@@ -143,7 +138,7 @@ class RedisServer:
     @staticmethod
     def available(binary: str = "redis-server") -> str | None:
         """Return None if ``binary`` can run, else why not (for a pytest skip reason)."""
-        return _binary_problem(binary)
+        return cannot_run(binary, _INSTALL_HINT)
 
     def command(self, *args: str | int) -> Any:
         """Run one command on a fresh connection and return the reply as the server sent it.
@@ -361,7 +356,7 @@ class RedisCluster:
     @staticmethod
     def available(binary: str = "redis-server") -> str | None:
         """Return None if ``binary`` and ``redis-cli`` can run a cluster, else why not."""
-        return _binary_problem(binary) or _binary_problem("redis-cli")
+        return cannot_run(binary, _INSTALL_HINT) or cannot_run("redis-cli", _INSTALL_HINT)
 
     def start(self) -> RedisCluster:
         """Start every node, join them and return once every node serves all slots.
