@@ -39,17 +39,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvconn.tools.devserver import MIN_SEGMENT_SIZE, byte_size
+from kvconn.tools.devserver import MIN_SEGMENT_SIZE, _process, byte_size
 from kvconn.tools.devserver._ports import free_port
-from kvconn.tools.devserver._process import (
-    HttpChild,
-    StartError,
-    TcpChild,
-    cannot_run,
-    launch,
-    log_tail,
-    stop,
-)
 
 __all__ = ["MooncakeCluster"]
 
@@ -100,7 +91,7 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-class _Master(HttpChild):
+class _Master(_process.HttpChild):
     """Ready once ``/health`` answers and the RPC and metadata ports accept too."""
 
     def __init__(self, *args: Any, other_ports: Sequence[int], **kwargs: Any) -> None:
@@ -159,7 +150,7 @@ class MooncakeCluster:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._dir: Path | None = None
         self._master: _Master | None = None
-        self._storage: list[TcpChild | None] = []
+        self._storage: list[_process.TcpChild | None] = []
         self._lock = threading.RLock()
         self.master_port = self.metadata_port = self.metrics_port = 0
 
@@ -290,9 +281,9 @@ class MooncakeCluster:
             ctypes.CDLL("libibverbs.so.1")
         except OSError as exc:
             return f"libibverbs missing ({exc}): {_IBVERBS_HINT}"
-        return cannot_run(_find_binary("mooncake_master"), _INSTALL_HINT) or cannot_run(
-            _find_binary("mooncake_client"), _INSTALL_HINT
-        )
+        return _process.cannot_run(
+            _find_binary("mooncake_master"), _INSTALL_HINT
+        ) or _process.cannot_run(_find_binary("mooncake_client"), _INSTALL_HINT)
 
     # -- lifecycle ---------------------------------------------------------- #
 
@@ -333,7 +324,7 @@ class MooncakeCluster:
         """
         with self._lock:
             for child in [*self._storage, self._master]:
-                stop(child)
+                _process.stop(child)
             self._storage = []
             self._master = None
             if self._tmp is not None:
@@ -347,7 +338,7 @@ class MooncakeCluster:
         Clients then get ``-900`` (RPC_FAIL) from every call, each after ~4 s.
         """
         with self._lock:
-            stop(self._master, kill=True)
+            _process.stop(self._master, kill=True)
 
     def restart_master(self) -> None:
         """(Re)start the master on the same ports and wait for storage to re-mount.
@@ -359,7 +350,7 @@ class MooncakeCluster:
         with self._lock:
             if self._master is None:
                 raise RuntimeError(f"{self!r} was never started")
-            stop(self._master, kill=True)
+            _process.stop(self._master, kill=True)
             self._master = self._launch_master()
             live = sum(1 for i in range(len(self._storage)) if self.storage_alive(i))
             self.wait_for_capacity(live * self.segment_size)
@@ -377,7 +368,7 @@ class MooncakeCluster:
             if child is None:
                 return
             before = self._capacity()
-            stop(child, kill=True)
+            _process.stop(child, kill=True)
             self._storage[index] = None
             if wait_unmounted:
                 ttl = self.client_ttl if self.client_ttl is not None else 10
@@ -443,11 +434,11 @@ class MooncakeCluster:
             try:
                 self._master = self._launch_master()
                 return
-            except StartError as exc:
-                flag_error = _FLAG_ERROR.search(log_tail(self._log("master")))
+            except _process.StartError as exc:
+                flag_error = _FLAG_ERROR.search(_process.log_tail(self._log("master")))
                 if flag_error:
                     refused = f"mooncake_master refused its flags: {flag_error[1]}"
-                    raise StartError(exc.summary, self._log("master"), refused) from None
+                    raise _process.StartError(exc.summary, self._log("master"), refused) from None
                 if attempt == _PORT_ATTEMPTS - 1:
                     raise
 
@@ -464,7 +455,7 @@ class MooncakeCluster:
             *([f"--client_ttl={self.client_ttl}"] if self.client_ttl is not None else []),
             *self.master_args,
         ]
-        return launch(
+        return _process.launch(
             _Master,
             argv,
             self._log("master"),
@@ -475,7 +466,7 @@ class MooncakeCluster:
             other_ports=(self.master_port, self.metadata_port),
         )
 
-    def _launch_storage(self, index: int) -> TcpChild:
+    def _launch_storage(self, index: int) -> _process.TcpChild:
         """Start storage process ``index``; it serves its RPC port once it has mounted."""
         port = free_port()
         argv = [
@@ -488,8 +479,8 @@ class MooncakeCluster:
             f"--port={port}",
             "--protocol=tcp",
         ]
-        return launch(
-            TcpChild,
+        return _process.launch(
+            _process.TcpChild,
             argv,
             self._log(f"storage-{index}"),
             timeout=self.start_timeout,
@@ -522,6 +513,8 @@ class MooncakeCluster:
             dead = [n for n, c in zip(names, children) if c is not None and not c.running()]
             if dead or time.monotonic() > deadline:
                 reason = f"{', '.join(dead)} exited" if dead else f"timed out after {timeout} s"
-                tails = "\n".join(f"--- {n}.log:\n{log_tail(self._log(n), 20)}" for n in names)
+                tails = "\n".join(
+                    f"--- {n}.log:\n{_process.log_tail(self._log(n), 20)}" for n in names
+                )
                 raise RuntimeError(f"waiting for {what}: {reason}\n{tails}")
             time.sleep(_POLL_S)

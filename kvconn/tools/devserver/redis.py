@@ -26,16 +26,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvconn.tools.devserver import MIN_CLUSTER_NODES, byte_size
+from kvconn.tools.devserver import MIN_CLUSTER_NODES, _process, byte_size
 from kvconn.tools.devserver._ports import free_port, free_port_pair
-from kvconn.tools.devserver._process import (
-    StartError,
-    TcpChild,
-    cannot_run,
-    launch,
-    log_tail,
-    stop,
-)
 
 __all__ = ["RedisCluster", "RedisServer"]
 
@@ -91,7 +83,7 @@ class RedisServer:
         # pick another. A port the caller chose is never silently replaced.
         self._pick_port: Callable[[], int] | None = None if port is not None else free_port
         self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._child: TcpChild | None = None
+        self._child: _process.TcpChild | None = None
 
     def __repr__(self) -> str:
         return f"RedisServer(port={self.port}, {'running' if self.running else 'stopped'})"
@@ -138,7 +130,7 @@ class RedisServer:
     @staticmethod
     def available(binary: str = "redis-server") -> str | None:
         """Return None if ``binary`` can run, else why not (for a pytest skip reason)."""
-        return cannot_run(binary, _INSTALL_HINT)
+        return _process.cannot_run(binary, _INSTALL_HINT)
 
     def command(self, *args: str | int) -> Any:
         """Run one command on a fresh connection and return the reply as the server sent it.
@@ -165,7 +157,7 @@ class RedisServer:
         """Start the server and return once it accepts connections.
 
         Idempotent: starting a running server does nothing. On failure nothing is left
-        running and a :class:`StartError` carries the server's log tail.
+        running and a ``StartError`` (a RuntimeError) carries the server's log tail.
         """
         if self.running:
             return self
@@ -182,7 +174,7 @@ class RedisServer:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and delete its dir; idempotent."""
-        stop(self._child)
+        _process.stop(self._child)
         self._child = None
         if self._dir is not None:
             self._dir.cleanup()
@@ -193,7 +185,7 @@ class RedisServer:
 
         For fault tests: clients see connection errors until :meth:`restart`.
         """
-        stop(self._child, kill=True)
+        _process.stop(self._child, kill=True)
         self._child = None
 
     def restart(self) -> None:
@@ -207,7 +199,7 @@ class RedisServer:
         if directory is None:
             self.start()
             return
-        stop(self._child)
+        _process.stop(self._child)
         self._child = None
         for entry in directory.iterdir():
             if entry.name not in (_LOG_NAME, _NODES_CONF):
@@ -259,8 +251,8 @@ class RedisServer:
         assert self.log_path is not None
         for attempt in range(_PORT_ATTEMPTS if retry_on_a_new_port else 1):
             try:
-                self._child = launch(
-                    TcpChild,
+                self._child = _process.launch(
+                    _process.TcpChild,
                     self._argv(),
                     self.log_path,
                     timeout=_START_TIMEOUT_S,
@@ -269,14 +261,14 @@ class RedisServer:
                     port=self.port,
                 )
                 return
-            except StartError as exc:
-                tail = log_tail(self.log_path)
+            except _process.StartError as exc:
+                tail = _process.log_tail(self.log_path)
                 busy = exc.rejected is not None or "Address already in use" in tail
                 if busy and self._pick_port is not None and attempt < _PORT_ATTEMPTS - 1:
                     self.port = self._pick_port()  # lost a race for a port we picked
                     continue
                 rejected = f"--port {self.port}: in use already" if busy else _refusal(tail)
-                raise StartError(exc.summary, self.log_path, rejected) from None
+                raise _process.StartError(exc.summary, self.log_path, rejected) from None
 
     def _signal(self, sig: signal.Signals) -> None:
         pid = self.pid
@@ -356,7 +348,9 @@ class RedisCluster:
     @staticmethod
     def available(binary: str = "redis-server") -> str | None:
         """Return None if ``binary`` and ``redis-cli`` can run a cluster, else why not."""
-        return cannot_run(binary, _INSTALL_HINT) or cannot_run("redis-cli", _INSTALL_HINT)
+        return _process.cannot_run(binary, _INSTALL_HINT) or _process.cannot_run(
+            "redis-cli", _INSTALL_HINT
+        )
 
     def start(self) -> RedisCluster:
         """Start every node, join them and return once every node serves all slots.
