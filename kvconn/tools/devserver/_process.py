@@ -33,7 +33,7 @@ from mirakuru.exceptions import (
 __all__ = ["HttpChild", "StartError", "TcpChild", "cannot_run", "launch", "log_tail", "stop"]
 
 _PR_SET_PDEATHSIG = 1
-_POLL_S = 0.02
+_POLL_S = 0.01  # a redis-server listens ~10 ms after exec
 
 
 class StartError(RuntimeError):
