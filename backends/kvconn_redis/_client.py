@@ -16,8 +16,8 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``exists`` — ``EXISTS`` per key. Any error reply raises: "could not ask" is never
   "absent".
 
-Values go out as the caller's memoryviews (see :data:`kvconn_redis._deadline._PACKER`):
-no join, no copy in Python.
+Values of 64 KiB or more go out as the caller's memoryviews, without a join or a copy
+(:mod:`kvconn_redis._packer`).
 """
 
 from __future__ import annotations

@@ -28,15 +28,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from redis.connection import (  # type: ignore[attr-defined]
+from redis.connection import (
     Connection,
     ConnectionPool,
-    Encoder,
-    PythonRespSerializer,
     SSLConnection,
     UnixDomainSocketConnection,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+
+from kvconn_redis._packer import Packer
 
 __all__ = [
     "DeadlineConnection",
@@ -49,6 +49,8 @@ __all__ = [
 _DEADLINE: ContextVar[float | None] = ContextVar("kvconn_redis_deadline", default=None)
 #: What a connect or a handshake gets once the deadline has passed: fails at once.
 _EXPIRED_S = 1e-6
+#: How late past the deadline a socket operation may end (see :class:`_DeadlineSocket`).
+_SLACK_S = 0.01
 
 
 @contextmanager
@@ -83,29 +85,47 @@ class _DeadlineSocket:
     else (``fileno`` for ``poll``, ``shutdown``, ``close``…) goes to the real socket.
     ``settimeout`` is remembered as redis-py's wish (e.g. 0 for a readiness check) and
     re-applied, shortened, before each operation.
+
+    Re-applying costs a system call, and a 16 MiB reply takes hundreds of reads: the
+    timeout is only set again once :data:`_SLACK_S` has passed since it was last set
+    for this deadline, so an operation may end at most that much after the deadline.
     """
 
-    __slots__ = ("_sock", "_timeout")
+    __slots__ = ("_armed_at", "_armed_for", "_sock", "_timeout")
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._timeout = sock.gettimeout()
+        self._armed_for: float | None = None  # the deadline the socket's timeout serves
+        self._armed_at = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
     def _arm(self) -> None:
-        left = _left()
-        if left is None:
-            self._sock.settimeout(self._timeout)
+        end = _DEADLINE.get()
+        if end is None:
+            if self._armed_for is not None:
+                self._armed_for = None
+                self._sock.settimeout(self._timeout)
             return
+        now = time.monotonic()
+        if end == self._armed_for and now - self._armed_at < _SLACK_S:
+            return
+        left = end - now
         if left <= 0:
             raise TimeoutError("the call ran out of time (timeout_s)")
         wish = self._timeout
-        self._sock.settimeout(left if wish is None or wish > left else wish)
+        if wish is not None and wish <= left:
+            self._sock.settimeout(wish)
+            self._armed_for = None  # redis-py's own, shorter timeout: set it every time
+            return
+        self._sock.settimeout(left)
+        self._armed_for, self._armed_at = end, now
 
     def settimeout(self, timeout: float | None) -> None:
         self._timeout = timeout
+        self._armed_for = None
         self._sock.settimeout(timeout)
 
     def gettimeout(self) -> float | None:
@@ -129,10 +149,7 @@ class _DeadlineSocket:
         self._sock.sendall(data, *args)
 
 
-#: Packs commands without copying values: redis-py's hiredis packer turns every
-#: memoryview into ``bytes`` and then joins the whole command (two copies of each page);
-#: this one sends values above 6000 bytes as they are, straight from the caller's memory.
-_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
+_PACKER = Packer()
 
 
 class _DeadlineMixin:
