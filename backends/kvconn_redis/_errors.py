@@ -108,7 +108,9 @@ def translate(
         if isinstance(cause, rx.AuthenticationError):
             code = error_code(cause)
             if code == "NOAUTH" or "Authentication required" in str(cause):
-                what = f"requires a password ({_text(cause)})"
+                # Older redis-py releases drop the code from the message.
+                text = _text(cause) if code else f"NOAUTH {cause}"
+                what = f"requires a password ({text})"
             else:
                 what = f"refused the credentials ({_text(cause)})"
             problem = _config_or(
