@@ -3,6 +3,7 @@
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -101,4 +102,136 @@ def test_a_full_disk_is_a_clear_error_and_keeps_what_was_stored(tiny_disk):
     assert stored and all(backend.exists(stored))
     buf = bytearray(len(value))
     assert backend.get([stored[0]], [buf]) == [True] and bytes(buf) == value
+    backend.close()
+
+
+# ------------------------------------------------ damaged stores and bad options (issue 11)
+
+
+def _store_with_pages(path, pages=40, size=64 * 1024):
+    backend = load_backend("lmdb", {"path": str(path)})
+    backend.put([f"k/{i}" for i in range(pages)], [os.urandom(size)] * pages)
+    backend.close()
+    return path / "data.mdb"
+
+
+_LOOKUP_AFTER_OPEN = """
+import sys
+from kvconn.errors import KvconnError
+from kvconn.registry import load_backend
+try:
+    backend = load_backend("lmdb", {"path": sys.argv[1]})
+    buf = bytearray(64 * 1024)
+    print(backend.exists(["k/39"]), backend.get(["k/39"], [buf]))
+except KvconnError as exc:
+    print(f"refused: {exc}")
+"""
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001], ids=["half", "inside-the-second-meta-page"])
+def test_a_truncated_data_file_is_refused_at_open_instead_of_killing_the_process(tmp_path, keep):
+    """LMDB reads pages through a memory map: past the end of a cut-short file that is a
+    SIGBUS (exit 135), not an error. The header names the last page in use, so the
+    short file is refused before LMDB maps it; run in a subprocess, since the failure
+    this guards against kills the interpreter."""
+    data = _store_with_pages(tmp_path)
+    os.truncate(data, max(1, int(data.stat().st_size * keep)))
+    done = subprocess.run(
+        [sys.executable, "-c", _LOOKUP_AFTER_OPEN, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"died with {done.returncode}: {done.stderr[-400:]}"
+    assert "refused: lmdb: the store at" in done.stdout
+    assert "is damaged: data.mdb is" in done.stdout and "cut short" in done.stdout
+
+
+def test_a_store_whose_file_is_whole_opens_after_the_header_check(tmp_path):
+    _store_with_pages(tmp_path)
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    assert backend.exists(["k/0", "k/39", "k/40"]) == [True, True, False]
+    backend.close()
+
+
+def test_an_empty_path_is_refused_instead_of_opening_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="path must be a non-empty directory path"):
+        load_backend("lmdb", {"path": ""})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("sync", "no", "sync must be true or false, got 'no'"),
+        ("readonly", 1, "readonly must be true or false"),
+        ("max_readers", -1, "max_readers must be an int between 1 and 65536, got -1"),
+        ("max_readers", 2**40, "max_readers must be an int between 1 and 65536"),
+        ("map_size", 2**70, "map_size must be an int between 1048576 and"),
+        ("max_map_size", "x", "max_map_size must be an int between"),
+        ("path", 5, "path must be a directory path, got 5"),
+    ],
+)
+def test_bad_option_values_are_config_errors_naming_the_option(tmp_path, option, value, message):
+    options = {"path": str(tmp_path / "store"), option: value}
+    with pytest.raises(ConfigError, match=message):
+        load_backend("lmdb", options)
+
+
+def test_read_only_opening_of_a_missing_store_says_so_and_creates_nothing(tmp_path):
+    missing = tmp_path / "typo"
+    with pytest.raises(ConfigError, match=r"there is no store at .*typo"):
+        load_backend("lmdb", {"path": str(missing), "readonly": True})
+    assert not missing.exists()
+
+
+def test_a_read_only_handle_reads_but_refuses_writes(tmp_path):
+    _store_with_pages(tmp_path, pages=2)
+    backend = load_backend("lmdb", {"path": str(tmp_path), "readonly": True})
+    assert backend.exists(["k/1"]) == [True]
+    with pytest.raises(BackendError, match="opened read-only"):
+        backend.put(["new"], [b"x"])
+    with pytest.raises(BackendError, match="opened read-only"):
+        backend.delete(["k/1"])
+    backend.close()
+    writer = load_backend("lmdb", {"path": str(tmp_path)})
+    assert writer.exists(["k/1", "new"]) == [True, False]
+    writer.close()
+
+
+def test_a_store_directory_others_can_write_is_used_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "shared"
+    path.mkdir()
+    path.chmod(0o777)
+    with caplog.at_level("WARNING", logger="kvconn"):
+        load_backend("lmdb", {"path": str(path)}).close()
+    warned = [r.getMessage() for r in caplog.records if "writable by" in r.getMessage()]
+    assert warned and "group and others" in warned[0] and "0o777" in warned[0]
+    caplog.clear()
+    private = tmp_path / "private"
+    with caplog.at_level("WARNING", logger="kvconn"):
+        load_backend("lmdb", {"path": str(private)}).close()
+    assert not [r for r in caplog.records if "writable by" in r.getMessage()]
+
+
+def test_keys_other_programs_wrote_list_whatever_their_bytes(tmp_path):
+    """Non-UTF-8 keys list as surrogate escapes (as ``os.listdir`` names do) instead of
+    raising UnicodeDecodeError; the listed text encodes back to the stored bytes."""
+    import lmdb
+
+    env = lmdb.open(str(tmp_path), map_size=1 << 24)  # another program, before kvconn
+    raw = [b"\xff\xfe/raw", "\u00e9/x".encode(), "\u043a\u043b\u044e\u0447".encode()]
+    with env.begin(write=True) as txn:
+        for key in raw:
+            txn.put(key, b"vv")
+    env.close()
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(["kvconn/a"], [b"1"])
+    listed = dict(backend.list_keys())
+    assert sorted(k.encode("utf-8", "surrogateescape") for k in listed) == sorted(
+        [b"kvconn/a", *raw]
+    )
+    assert [k for k, _ in backend.list_keys("\u00e9")] == ["\u00e9/x"]
+    assert [k for k, _ in backend.list_keys("\udcff")] == ["\udcff\udcfe/raw"]
     backend.close()
