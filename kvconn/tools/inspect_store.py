@@ -34,7 +34,7 @@ from kvconn.backend import Backend
 from kvconn.errors import ConfigError
 from kvconn.keys import LAYOUT, manifest_prefix
 from kvconn.plan import ManifestError, PageManifest
-from kvconn.registry import backend_class, installed_backends, load_backend
+from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
 from kvconn.tools.store_options import add_store_arguments, human_bytes, store_settings
 
 _SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
@@ -66,8 +66,19 @@ class PageKey:
         return "replicated" if self.num_shards is None else f"w{self.num_shards}"
 
 
+def _kvconn_alphabet(key: str) -> bool:
+    """Whether ``key`` could be a kvconn key at all: printable ASCII without spaces.
+
+    Other programs' keys sharing the store may be anything (non-ASCII, undecodable
+    bytes listed as surrogate escapes); those are "other keys", never pages to read.
+    """
+    return key.isascii() and key.isprintable() and " " not in key
+
+
 def parse_key(key: str) -> PageKey | None:
     """The parts of a kvconn page key, or ``None`` for any other key (manifests included)."""
+    if not _kvconn_alphabet(key):
+        return None
     parts = key.split("/")
     if len(parts) != 6:
         return None
@@ -108,6 +119,8 @@ class ManifestKey:
 
 def parse_manifest_key(key: str) -> ManifestKey | None:
     """The parts of a layout manifest key, or ``None`` for any other key (pages included)."""
+    if not _kvconn_alphabet(key):
+        return None
     parts = key.split("/")
     if len(parts) != 5:
         return None
@@ -405,7 +418,11 @@ def run(args: argparse.Namespace) -> int:
     prefix = args.prefix
     if not prefix and args.namespace:
         prefix = f"{args.namespace}/"
-    with load_backend(name, settings["options"]) as backend:
+    options = dict(settings["options"])
+    if "readonly" in accepted_options(cls)[0]:
+        # Look, never touch: a mistyped --path must not leave an empty store behind.
+        options.setdefault("readonly", True)
+    with load_backend(name, options) as backend:
         fp = footprint(backend.list_keys(prefix))
         read_manifests(fp, backend, prefix)
         result = fp.as_dict()
