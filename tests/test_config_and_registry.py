@@ -99,11 +99,7 @@ def test_the_installed_backends_are_listed_without_importing_them():
     assert "lmdb" in installed_backends()
 
 
-class _NeedsMissingClient(Backend):
-    name = "needy"
-    extra = "needy"
-    client_modules = ("kvconn_no_such_client_module",)
-
+class _StubBackend(Backend):
     def _exists(self, keys):
         return []
 
@@ -112,6 +108,12 @@ class _NeedsMissingClient(Backend):
 
     def _get(self, keys, buffers):
         return []
+
+
+class _NeedsMissingClient(_StubBackend):
+    name = "needy"
+    extra = "needy"
+    client_modules = ("kvconn_no_such_client_module",)
 
 
 def test_a_backend_whose_client_is_missing_names_the_extra_to_install(monkeypatch):
@@ -231,20 +233,11 @@ def test_an_entry_point_that_is_not_a_backend_class_is_named(tmp_path, monkeypat
         load_backend("odd")
 
 
-class _Picky(Backend):
+class _Picky(_StubBackend):
     """A third-party backend whose constructor quotes its URL in a plain ValueError."""
 
     def __init__(self, url: str = "") -> None:
         raise ValueError(f"cannot parse {url}")
-
-    def _exists(self, keys):
-        return []
-
-    def _put(self, keys, values):
-        return []
-
-    def _get(self, keys, buffers):
-        return []
 
 
 def test_a_backend_constructor_error_is_a_config_error_with_secrets_masked(monkeypatch):
