@@ -14,7 +14,8 @@ unknown roles; an invalid manifest is flagged. Manifests are metadata, reported 
 from page bytes.
 
 Works with backends that can list keys (``capabilities.listing``); the others fail with
-a message naming those that can.
+a message naming those that can. The store is opened read-only where the backend can
+(LMDB): a mistyped ``--path`` is an error, never a new empty store.
 
     kvconn inspect                      # the default LMDB store
     kvconn inspect --path /tmp/store --json
