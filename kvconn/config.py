@@ -59,8 +59,9 @@ class ConnectorConfig:
     retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        key_part(self.model, "model")
-        key_part(self.namespace, "namespace")
+        for name in ("model", "namespace"):
+            object.__setattr__(self, name, _utf8_text(getattr(self, name), name))
+            key_part(getattr(self, name), name)
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must be a non-empty name, got {self.backend!r}")
         object.__setattr__(self, "options", check_options(self.options))
@@ -168,6 +169,20 @@ class ConnectorConfig:
 
     def with_options(self, **options: Any) -> ConnectorConfig:
         return replace(self, options={**self.options, **options})
+
+
+def _utf8_text(value: object, what: str) -> object:
+    """``value`` with surrogate escapes turned back into the UTF-8 text that was typed.
+
+    Under a C locale, argv and the environment arrive with non-ASCII bytes as surrogate
+    escapes; keys made from them would differ from (or fail where) a UTF-8 locale's.
+    """
+    if not isinstance(value, str) or value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        raise ConfigError(f"{what} {value!r:.80} is not valid UTF-8 text") from None
 
 
 def check_options(options: object, what: str = "options") -> dict[str, Any]:

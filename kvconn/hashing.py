@@ -26,7 +26,10 @@ def _field(data: bytes) -> bytes:
 
 
 def _as_bytes(value: bytes | str) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
+    # Surrogate escapes (text read from argv or the environment under a C locale) are
+    # turned back into the bytes that were typed, so such a salt hashes as it would
+    # have under a UTF-8 locale; a text that cannot be encoded at all is refused.
+    return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,18 @@ class ReuseScope:
                     f"ReuseScope: each of mm_digests must be bytes or str, got {digest!r:.80}"
                 )
         object.__setattr__(self, "mm_digests", tuple(digests))
+        texts = [self.cache_salt, self.lora_id or "", *(d for d in digests if isinstance(d, str))]
+        for text in texts:
+            try:
+                _as_bytes(text)
+            except UnicodeEncodeError:
+                raise ArgumentError(f"ReuseScope: {text!r:.80} is not encodable text") from None
 
     def seed(self) -> bytes:
         h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"kvconn-scope")
         h.update(_VERSION)
-        h.update(_field(self.cache_salt.encode()))
-        h.update(_field(b"" if self.lora_id is None else b"L" + self.lora_id.encode()))
+        h.update(_field(_as_bytes(self.cache_salt)))
+        h.update(_field(b"" if self.lora_id is None else b"L" + _as_bytes(self.lora_id)))
         h.update(len(self.mm_digests).to_bytes(8, "little"))
         for digest in self.mm_digests:
             h.update(_field(_as_bytes(digest)))

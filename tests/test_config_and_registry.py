@@ -248,3 +248,11 @@ def test_a_backend_constructor_error_is_a_config_error_with_secrets_masked(monke
     assert info.value.__cause__ is None and info.value.__suppress_context__
     with pytest.raises(ConfigError, match="options must be a table/dict, got int"):
         load_backend("picky", 5)  # type: ignore[arg-type]
+
+
+def test_names_read_under_a_c_locale_make_the_keys_a_utf_8_locale_makes():
+    escaped = "caf\u00e9".encode().decode("ascii", "surrogateescape")
+    config = ConnectorConfig(model=escaped, namespace=escaped)
+    assert (config.model, config.namespace) == ("caf\u00e9", "caf\u00e9")
+    with pytest.raises(ConfigError, match="is not valid UTF-8 text"):
+        ConnectorConfig(model="\udcff")

@@ -44,6 +44,7 @@ JUNK = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
     st.sampled_from(["256MiB", "1g", "99999999T", "9" * 40, "spread", "first", "", "k", "lmdb"]),
+    st.sampled_from(["\udcc3\udca9", "\ud800", "a\x00b", "\u00e9/x"]),  # C-locale text, NUL
     st.binary(max_size=DIGEST_SIZE),
     st.lists(st.integers(min_value=-3, max_value=3), max_size=3),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),

@@ -377,3 +377,15 @@ def test_tokens_as_tensors_or_ranges_hash_like_lists():
     assert block_hashes(torch.tensor(tokens), 32) == expected  # type: ignore[arg-type]
     assert block_hashes(range(64), 32) == expected
     assert block_hashes(tuple(tokens), 32, extras=[bytearray(), b""]) == expected  # type: ignore[list-item]
+
+
+def test_a_salt_read_under_a_c_locale_hashes_as_the_text_that_was_typed():
+    """argv and the environment carry non-ASCII bytes as surrogate escapes under a C
+    locale; ``.encode()`` raised UnicodeEncodeError on them (a traceback in ``kvconn
+    simulate --salt``). The escapes turn back into the typed bytes instead."""
+    typed = "caf\u00e9"
+    escaped = typed.encode().decode("ascii", "surrogateescape")
+    assert ReuseScope(cache_salt=escaped).seed() == ReuseScope(cache_salt=typed).seed()
+    assert ReuseScope(mm_digests=(escaped,)).seed() == ReuseScope(mm_digests=(typed,)).seed()
+    with pytest.raises(ArgumentError, match="is not encodable text"):
+        ReuseScope(lora_id="\ud800")
