@@ -20,13 +20,14 @@ from kvconn.errors import ConfigError
 from kvconn.tools.store_options import human_bytes
 
 #: Private memory of one rank process besides its pools and staging, measured on the
-#: development machine (torch 2.13 CPU, Python 3.11): ~19 MiB for a fork of the
-#: forkserver, which imported torch once; ~152 MiB for a spawned process, which imports
-#: it itself. Rounded up.
-RANK_OVERHEAD = {"forkserver": 32 << 20, "spawn": 192 << 20}
-#: The coordinator (torch, the workload, the store client) and the forkserver: ~250 +
-#: ~150 MiB measured, rounded up.
-BASE_OVERHEAD = 512 << 20
+#: development machine (torch 2.13 CPU, Python 3.11; USS from /proc/<pid>/smaps_rollup):
+#: ~19 MiB for a fork of the forkserver, which imported torch once; ~152 MiB for a
+#: spawned process, which imports it itself. Rounded up a little: the estimate is there
+#: to stop absurd runs, and must not refuse one that fits.
+RANK_OVERHEAD = {"forkserver": 24 << 20, "spawn": 160 << 20}
+#: The coordinator (torch, the workload, the store client) and the forkserver: ~230 +
+#: ~145 MiB measured.
+BASE_OVERHEAD = 384 << 20
 #: Per prompt token held by the workload: a tuple slot (8 B) and a share of the int
 #: objects the prompts of a conversation have in common.
 BYTES_PER_WORKLOAD_TOKEN = 16
