@@ -138,6 +138,20 @@ def test_inspect_of_a_path_without_a_store_says_so_and_creates_nothing(capsys, t
     assert not typo.exists()
 
 
+def test_inspect_checks_every_field_of_its_config_file_and_filters_by_its_namespace(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    path = tmp_path / "kvconn.toml"
+    path.write_text("model = 5\n")
+    assert main(["inspect", "--config", str(path), "--path", str(store)]) == 2
+    assert "model must be a non-empty string, got 5" in capsys.readouterr().err
+    path.write_text('namespace = "other ns"\n')
+    result = inspect_json(capsys, store, "--config", str(path))
+    assert (result["prefix"], result["keys"]) == ("other%20ns/", 0)  # spelt as keys spell it
+
+
 def test_inspect_reads_backend_options_from_kvconn_option_variables(capsys, tmp_path, monkeypatch):
     """So that a secret (a Redis password) need not be on the command line."""
     store = tmp_path / "store"

@@ -32,8 +32,9 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvconn.backend import Backend
+from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError
-from kvconn.keys import LAYOUT, manifest_prefix
+from kvconn.keys import LAYOUT, key_part, manifest_prefix
 from kvconn.plan import ManifestError, PageManifest
 from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
 from kvconn.tools.store_options import add_store_arguments, human_bytes, store_settings
@@ -416,9 +417,12 @@ def run(args: argparse.Namespace) -> int:
             f"the {name!r} backend cannot list its keys (capabilities.listing is False), so "
             f"kvconn inspect cannot read its footprint; backends that can: {can}"
         )
+    # Every field of a --config file is checked as a connector would check it, though
+    # inspect needs only the store and the namespace from it.
+    config = ConnectorConfig.from_dict({"model": "inspect", **settings})
     prefix = args.prefix
-    if not prefix and args.namespace:
-        prefix = f"{args.namespace}/"
+    if not prefix and settings.get("namespace") is not None:
+        prefix = f"{key_part(config.namespace, 'namespace')}/"  # as keys spell it
     options = dict(settings["options"])
     if "readonly" in accepted_options(cls)[0]:
         # Look, never touch: a mistyped --path must not leave an empty store behind.
