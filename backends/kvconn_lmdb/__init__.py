@@ -83,15 +83,16 @@ def check_data_file(directory: Path) -> None:
     need = _PAGE_HEADER.size + _META.size
     try:
         with open(data, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size == 0:
-                return
             first = _meta(fh.read(need))
             if first is None:
-                return
+                return  # empty (a new store), or not a file this check understands
             page_size = first[0]
             fh.seek(page_size)
             second = _meta(fh.read(need))
+            # The size after the metas: a writer in another process appends its pages
+            # before it updates a meta, so a meta read first never names a page past
+            # the size read after it (the other order races with a commit).
+            size = os.fstat(fh.fileno()).st_size
     except OSError:
         return  # absent or unreadable: LMDB creates it or reports why it cannot
     metas = [m for m in (first, second) if m is not None]
