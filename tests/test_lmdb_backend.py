@@ -166,7 +166,7 @@ def test_the_header_check_never_calls_a_store_damaged_while_another_process_comm
             txn.put(b"late", os.urandom(256 * 1024))
         return result
 
-    monkeypatch.setattr(kvconn_lmdb.os, "fstat", fstat_then_commit)
+    monkeypatch.setattr(os, "fstat", fstat_then_commit)  # os is shared: kvconn_lmdb reads it
     kvconn_lmdb.check_data_file(tmp_path)
     monkeypatch.undo()
     env.close()
