@@ -43,6 +43,8 @@ _META = struct.Struct("@IIPN" + _DB + _DB + "NN")  # magic, version, address, ma
 # free-page DB, main DB, last used page, transaction id
 _MAGIC = 0xBEEFC0DE
 _DATA_VERSION = 1
+#: The bytes of keys the backend contract accepts: printable ASCII without the space.
+_KEY_ALPHABET = bytes(range(0x21, 0x7F))
 
 
 def default_path() -> Path:
@@ -350,8 +352,10 @@ class LmdbBackend(Backend):
             raise self._write_error(exc) from exc
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
-        """Keys as text; bytes that are not UTF-8 (keys other programs wrote) decode as
-        surrogate escapes, as ``os.listdir`` does, so every key lists and round-trips."""
+        """Keys the backend contract can address; keys other programs wrote outside
+        kvconn's alphabet (not printable ASCII, spaces, too long) are skipped, as the
+        Redis backend skips them, instead of failing to decode. A prefix read under a
+        C locale (surrogate escapes) is matched as the bytes that were typed."""
         env = self._txn_env()
         start = prefix.encode("utf-8", "surrogateescape")
         try:
@@ -363,7 +367,11 @@ class LmdbBackend(Backend):
                     key_bytes = bytes(key)
                     if not key_bytes.startswith(start):
                         break
-                    yield key_bytes.decode("utf-8", "surrogateescape"), len(value)
+                    if len(key_bytes) > self.max_key_length or key_bytes.translate(
+                        None, _KEY_ALPHABET
+                    ):
+                        continue
+                    yield key_bytes.decode("ascii"), len(value)
         except self._lmdb.Error as exc:
             raise BackendError(f"lmdb: listing failed in {self.path}: {exc}") from exc
 
