@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "LoadResult": "kvconn.connector",
     "LookupResult": "kvconn.connector",
     "SaveResult": "kvconn.connector",
+    "ArgumentError": "kvconn.errors",
     "BackendDependencyMissing": "kvconn.errors",
     "BackendError": "kvconn.errors",
     "BackendNotFound": "kvconn.errors",
@@ -68,6 +69,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.connector import LoadResult as LoadResult
     from kvconn.connector import LookupResult as LookupResult
     from kvconn.connector import SaveResult as SaveResult
+    from kvconn.errors import ArgumentError as ArgumentError
     from kvconn.errors import BackendDependencyMissing as BackendDependencyMissing
     from kvconn.errors import BackendError as BackendError
     from kvconn.errors import BackendNotFound as BackendNotFound

@@ -12,12 +12,14 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from kvconn.errors import ConfigError
 from kvconn.keys import key_part
 from kvconn.plan import WriterPolicy
+from kvconn.redaction import redact_options
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,6 +32,11 @@ ENV_CONFIG_FILE = "KVCONN_CONFIG"
 #: Variables of kvconn's development tools and test harness (``KVCONN_DEV_*``): never a
 #: connector setting, so ``from_env`` leaves them alone instead of calling them typos.
 ENV_TOOL_PREFIX = "KVCONN_DEV_"
+
+#: Upper bounds that only a typo reaches (``"99999999T"``, ``1e300``): refused with a
+#: message at start-up instead of an allocation failure or a back-off that never ends.
+MAX_STAGING_BYTES = 1 << 40  # 1 TiB of host staging
+MAX_RETRY_INTERVAL_S = 86_400.0  # a day
 
 
 @dataclass(frozen=True)
@@ -52,13 +59,16 @@ class ConnectorConfig:
     retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        key_part(self.model, "model")
-        key_part(self.namespace, "namespace")
+        for name in ("model", "namespace"):
+            object.__setattr__(self, name, _utf8_text(getattr(self, name), name))
+            key_part(getattr(self, name), name)
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must be a non-empty name, got {self.backend!r}")
-        if not isinstance(self.options, Mapping):
-            raise ConfigError(f"options must be a table/dict, got {type(self.options).__name__}")
-        object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "options", check_options(self.options))
+        if not isinstance(self.writer_policy, str):  # WriterPolicy is a str too
+            raise ConfigError(
+                f"writer_policy must be a name ('spread' or 'first'), got {self.writer_policy!r}"
+            )
         object.__setattr__(self, "writer_policy", WriterPolicy.parse(self.writer_policy))
         if isinstance(self.staging_bytes, str):  # "256MiB", from a file or the environment
             size = parse_size(self.staging_bytes)
@@ -71,23 +81,36 @@ class ConnectorConfig:
         if (
             isinstance(self.staging_bytes, bool)
             or not isinstance(self.staging_bytes, int)
-            or (self.staging_bytes < 1)
+            or not 1 <= self.staging_bytes <= MAX_STAGING_BYTES
         ):
-            raise ConfigError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
+            raise ConfigError(
+                f"staging_bytes must be an int between 1 and {MAX_STAGING_BYTES} (1 TiB), "
+                f"got {self.staging_bytes!r}"
+            )
         if (
             isinstance(self.retry_interval_s, bool)
             or not isinstance(self.retry_interval_s, (int, float))
             or not math.isfinite(self.retry_interval_s)
-            or self.retry_interval_s < 0
+            or not 0 <= self.retry_interval_s <= MAX_RETRY_INTERVAL_S
         ):
             raise ConfigError(
-                f"retry_interval_s must be a number >= 0, got {self.retry_interval_s!r}"
+                f"retry_interval_s must be a number of seconds between 0 and "
+                f"{MAX_RETRY_INTERVAL_S:g}, got {self.retry_interval_s!r}"
             )
+
+    def __repr__(self) -> str:
+        # Options carry credentials (a Redis password, a URL with one): a repr ends up in
+        # logs and tracebacks, so it shows them masked.
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["options"] = redact_options(self.options)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConnectorConfig:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a configuration must be a table/dict, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(str(k) for k in set(data) - names)
         if unknown:
             raise ConfigError(
                 f"unknown configuration key(s): {', '.join(unknown)}; "
@@ -111,29 +134,26 @@ class ConnectorConfig:
         a TOML literal when it parses as one (``8``, ``true``, ``"x"``), else as a string.
         """
         env = os.environ if environ is None else environ
+        if base is not None and not isinstance(base, Mapping):
+            raise ConfigError(f"base must be a table/dict, got {type(base).__name__}")
         data: dict[str, Any] = dict(base or {})
-        data["options"] = dict(data.get("options", {}))
+        data["options"] = check_options(data.get("options", {}), "base options")
         if env.get(ENV_CONFIG_FILE):
             loaded = load_toml(env[ENV_CONFIG_FILE])
-            file_options = loaded.pop("options", {})
-            if not isinstance(file_options, Mapping):
-                raise ConfigError(
-                    f"{env[ENV_CONFIG_FILE]}: options must be a table, "
-                    f"got {type(file_options).__name__}"
-                )
+            file_options = check_options(
+                loaded.pop("options", {}), f"{env[ENV_CONFIG_FILE]}: options"
+            )
             options = {**data["options"], **file_options}
             data.update(loaded)
             data["options"] = options
+        data["options"].update(env_options(env))
         names = {f.name for f in fields(cls)} - {"options"}
         for var, raw in env.items():
             if (
                 not var.startswith(ENV_PREFIX)
                 or var == ENV_CONFIG_FILE
-                or var.startswith(ENV_TOOL_PREFIX)
+                or var.startswith((ENV_TOOL_PREFIX, ENV_OPTION_PREFIX))  # options: above
             ):
-                continue
-            if var.startswith(ENV_OPTION_PREFIX):
-                data["options"][var[len(ENV_OPTION_PREFIX) :].lower()] = parse_literal(raw)
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
@@ -151,25 +171,81 @@ class ConnectorConfig:
         return replace(self, options={**self.options, **options})
 
 
+def _utf8_text(value: object, what: str) -> object:
+    """``value`` with surrogate escapes turned back into the UTF-8 text that was typed.
+
+    Under a C locale, argv and the environment arrive with non-ASCII bytes as surrogate
+    escapes; keys made from them would differ from (or fail where) a UTF-8 locale's.
+    """
+    if not isinstance(value, str) or value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        raise ConfigError(f"{what} {value!r:.80} is not valid UTF-8 text") from None
+
+
+def check_options(options: object, what: str = "options") -> dict[str, Any]:
+    """Backend options as a plain dict: a table whose keys are non-empty names."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{what} must be a table/dict, got {type(options).__name__}")
+    bad = [k for k in options if not isinstance(k, str) or not k]
+    if bad:
+        raise ConfigError(f"{what}: option names must be non-empty strings, got {bad[0]!r}")
+    return dict(options)
+
+
+def env_options(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Backend options from ``KVCONN_OPTION_<NAME>=value`` variables.
+
+    The way to pass a secret (a password) without putting it on a command line, where
+    every user of the machine can read it in the process list.
+    """
+    out: dict[str, Any] = {}
+    for var, raw in environ.items():
+        if var.startswith(ENV_OPTION_PREFIX):
+            name = var[len(ENV_OPTION_PREFIX) :].lower()
+            if not name:
+                raise ConfigError(f"{ENV_OPTION_PREFIX}<NAME> needs a name, got {var!r}")
+            out[name] = parse_literal(raw)
+    return out
+
+
 def load_toml(path: str | os.PathLike[str], what: str = "configuration file") -> dict[str, Any]:
-    """A TOML file's table; a missing or malformed file is a ConfigError naming ``what``."""
+    """A TOML file's table; a missing, unreadable or malformed file is a ConfigError."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ConfigError(f"{what}: expected a file path, got {path!r}")
     p = Path(path)
     try:
         with p.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"{what} {p} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {p} is a directory, not a file") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{what} {p} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{what} {p} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # a NUL in the path, absurd nesting
+        raise ConfigError(f"{what} {str(p)!r:.200} cannot be read: {exc}") from None
 
 
 def parse_literal(raw: str) -> Any:
     """A value given as text (env var, ``-o key=value``): a TOML literal when it is one
-    (``8``, ``true``, ``"x"``), else the string itself."""
+    (``8``, ``true``, ``"x"``), else the string itself.
+
+    Only a whole single value counts: ``1\nother = 2`` is the string it is, not ``1``.
+    """
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+        parsed = tomllib.loads(f"v = {raw}")
+    except (tomllib.TOMLDecodeError, RecursionError):
         return raw
+    return parsed["v"] if len(parsed) == 1 else raw
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -179,10 +255,11 @@ def parse_size(text: str) -> int | None:
     """``"268435456"``, ``"256MiB"``, ``"256mb"``, ``"1g"`` → bytes, or ``None``.
 
     Units are binary whatever the spelling, as Mooncake reads them (``"4gb"`` is 4 GiB),
-    so a size copied from a Mooncake config keeps its value.
+    so a size copied from a Mooncake config keeps its value. Exact for any length of
+    digits (no float overflow); the caller bounds the result.
     """
     match = _SIZE.match(text)
     if match is None:
         return None
-    number, unit = float(match.group(1)), match.group(2).lower()
+    number, unit = Decimal(match.group(1)), match.group(2).lower()
     return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)

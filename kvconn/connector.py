@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ import torch
 
 from kvconn.backend import Backend, VettedKeys
 from kvconn.config import ConnectorConfig
-from kvconn.errors import BackendError, ConfigError, InvalidKeyError, LayoutError
+from kvconn.errors import ArgumentError, BackendError, ConfigError, InvalidKeyError, LayoutError
 from kvconn.hashing import DIGEST_SIZE
 from kvconn.keys import key_prefix, manifest_key, page_key
 from kvconn.layout import KvLayout, shard_position
@@ -43,6 +43,7 @@ from kvconn.plan import (
     share_key,
     writer_replica,
 )
+from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
 from kvconn.staging import Staging
 from kvconn.stats import ConnectorStats
@@ -102,6 +103,10 @@ class Connector:
     ) -> None:
         if not isinstance(config, ConnectorConfig):
             config = ConnectorConfig.from_dict(config)
+        if not isinstance(layout, KvLayout):
+            raise LayoutError(f"layout must be a KvLayout, got {layout!r:.80}")
+        if backend is not None and not isinstance(backend, Backend):
+            raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
         shard_position(rank, layout.tp_size, 1)  # validates rank against tp_size
         self.config = config
         self.layout = layout
@@ -170,6 +175,14 @@ class Connector:
 
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
         """Attach this rank's KV pool tensors (the layout's ``pool`` indices)."""
+        if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
+            raise LayoutError(
+                f"pools must be a list of tensors, one per layout pool (e.g. [pool]), "
+                f"got {type(pools).__name__}"
+            )
+        for i, pool in enumerate(pools):
+            if not isinstance(pool, torch.Tensor):
+                raise LayoutError(f"pool {i} must be a torch tensor, got {pool!r:.80}")
         if len(pools) != len(self.layout.pool_sizes):
             raise LayoutError(
                 f"the layout declares {len(self.layout.pool_sizes)} pools, got {len(pools)} tensors"
@@ -227,7 +240,7 @@ class Connector:
     def save(self, block_hashes: Sequence[bytes], slots: Slots) -> SaveResult:
         """Store the pages of these blocks that this rank is the designated writer of."""
         hashes = _check_hashes(block_hashes)
-        slot_map = self._slot_map(slots, len(hashes))
+        slot_map = self._slot_map(slots, hashes)
         movers = self._require_pools()
         owned: list[tuple[int, list[int], list[str]]] = []  # (share index, blocks, keys)
         for s, share in enumerate(self.shares):
@@ -324,7 +337,7 @@ class Connector:
         are not written, so the engine recomputes exactly those.
         """
         hashes = _check_hashes(block_hashes)
-        slot_map = self._slot_map(slots, len(hashes))
+        slot_map = self._slot_map(slots, hashes)
         movers = self._require_pools()
         per_block = sum(sh.plan.page_size for sh in self.shares)
         chunk = self._chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
@@ -406,7 +419,7 @@ class Connector:
                     "retrying after %.1fs",
                     self.config.backend,
                     op,
-                    exc,
+                    redact_url(str(exc)),
                     self.config.retry_interval_s,
                     exc_info=not isinstance(exc, (OSError, BackendError)),
                 )
@@ -431,30 +444,76 @@ class Connector:
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
-    def _slot_map(self, slots: Slots, n: int) -> dict[int, torch.Tensor]:
+    def _slot_map(self, slots: Slots, hashes: Sequence[bytes]) -> dict[int, torch.Tensor]:
+        """Each layer group's slots, one per block, as a CPU long tensor.
+
+        Refused before anything is read or written: a count other than one slot per
+        block, a slot outside its group, and one slot named for two different blocks --
+        a load would leave only the last of them in it while reporting both loaded, and
+        a save would store that slot's bytes under both blocks' keys. (The same block
+        twice in one slot is harmless and allowed.)
+        """
         groups = [g.index for g in self.layout.groups]
         if isinstance(slots, Mapping):
             missing = sorted(set(groups) - set(slots))
             if missing:
-                raise ValueError(f"slots are missing for layer group(s) {missing}")
-            raw = {g: slots[g] for g in groups}
-        else:
-            raw = {g: slots for g in groups}
+                raise ArgumentError(f"slots are missing for layer group(s) {missing}")
+            unknown = sorted(map(repr, set(slots) - set(groups)))
+            if unknown:
+                raise ArgumentError(
+                    f"slots name layer group(s) {', '.join(unknown)} that the layout does not "
+                    f"have (its groups: {groups})"
+                )
+        # One conversion per distinct sequence: usually one list serves every group.
+        converted: dict[int, tuple[torch.Tensor, list[int]]] = {}
         out: dict[int, torch.Tensor] = {}
-        for g, seq in raw.items():
-            given = torch.as_tensor(seq)
-            if given.numel() and (given.is_floating_point() or given.dtype == torch.bool):
-                raise ValueError(f"layer group {g}: slots must be integers, got {given.dtype}")
-            t = given.to(torch.long).reshape(-1).cpu()
-            if t.numel() != n:
-                raise ValueError(f"layer group {g}: {t.numel()} slots for {n} blocks")
+        for g in groups:
+            seq = slots[g] if isinstance(slots, Mapping) else slots
+            if id(seq) not in converted:
+                converted[id(seq)] = _slot_list(seq, g, hashes)
+            t, values = converted[id(seq)]
             num_slots = self.layout.group(g).num_slots
-            if n and (int(t.min()) < 0 or int(t.max()) >= num_slots):
-                raise ValueError(
-                    f"layer group {g}: slot out of range [0, {num_slots}): {t.tolist()[:8]}"
+            if values and (min(values) < 0 or max(values) >= num_slots):
+                raise ArgumentError(
+                    f"layer group {g}: slot out of range [0, {num_slots}): {values[:8]}"
                 )
             out[g] = t
         return out
+
+
+def _slot_list(seq: object, g: int, hashes: Sequence[bytes]) -> tuple[torch.Tensor, list[int]]:
+    """``seq`` as a 1-D long tensor and a list, one slot per block, no slot shared."""
+    n = len(hashes)
+    if isinstance(seq, (str, bytes, bytearray)):
+        raise ArgumentError(f"layer group {g}: slots must be a sequence of ints, got {seq!r:.80}")
+    try:
+        given = torch.as_tensor(seq)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise ArgumentError(
+            f"layer group {g}: slots must be a sequence of ints, got {seq!r:.80}"
+        ) from None
+    if given.dim() != 1:
+        raise ArgumentError(
+            f"layer group {g}: slots must be one-dimensional, one per block, "
+            f"got shape {tuple(given.shape)}"
+        )
+    if given.numel() and (
+        given.is_floating_point() or given.is_complex() or given.dtype == torch.bool
+    ):
+        raise ArgumentError(f"layer group {g}: slots must be integers, got {given.dtype}")
+    t = given.to(torch.long).cpu()
+    if t.numel() != n:
+        raise ArgumentError(f"layer group {g}: {t.numel()} slots for {n} blocks")
+    values: list[int] = t.tolist()
+    if len(set(values)) < n:
+        owner: dict[int, bytes] = {}
+        for i, (slot, h) in enumerate(zip(values, hashes)):
+            if owner.setdefault(slot, h) != h:
+                raise ArgumentError(
+                    f"layer group {g}: slot {slot} is given for two different blocks "
+                    f"(block {values.index(slot)} and block {i}); each block needs its own slot"
+                )
+    return t, values
 
 
 #: Where each page kind starts in a load's staging: a multiple of every word width.
@@ -462,11 +521,16 @@ _STAGING_ALIGN = 64
 
 
 def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:
+    if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(block_hashes, Iterable):
+        raise ArgumentError(
+            f"block_hashes must be a list of {DIGEST_SIZE}-byte digests (kvconn.block_hashes), "
+            f"got {block_hashes!r:.80}"
+        )
     hashes = list(block_hashes)
     for h in hashes:
         if not isinstance(h, (bytes, bytearray)) or len(h) != DIGEST_SIZE:
-            raise ValueError(
-                f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r}"
+            raise ArgumentError(
+                f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r:.80}"
             )
     return [bytes(h) for h in hashes]
 

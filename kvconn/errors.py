@@ -26,6 +26,17 @@ class LayoutError(ConfigError):
     """The described KV-cache layout is inconsistent (overlaps, bounds, units, roles)."""
 
 
+class ArgumentError(KvconnError, ValueError, TypeError):
+    """A call's arguments cannot be right (slot count or range, a slot used twice, a
+    block hash, tokens, a reuse scope): a bug in the caller, refused before anything is
+    read or written.
+
+    It subclasses both ``ValueError`` and ``TypeError`` because those are what such
+    calls raised before this type existed, so ``except ValueError`` written against
+    them keeps working.
+    """
+
+
 class InvalidKeyError(KvconnError, ValueError):
     """A store key is not acceptable to the backend contract (type, characters, length)."""
 

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvconn.errors import ConfigError
+from kvconn.errors import ArgumentError
 
 DIGEST_SIZE = 16
 _VERSION = b"kvconn.chain.v1"
@@ -26,7 +26,10 @@ def _field(data: bytes) -> bytes:
 
 
 def _as_bytes(value: bytes | str) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
+    # Surrogate escapes (text read from argv or the environment under a C locale) are
+    # turned back into the bytes that were typed, so such a salt hashes as it would
+    # have under a UTF-8 locale; a text that cannot be encoded at all is refused.
+    return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,39 @@ class ReuseScope:
     lora_id: str | None = None
     mm_digests: tuple[bytes | str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache_salt, str):
+            raise ArgumentError(f"ReuseScope: cache_salt must be a str, got {self.cache_salt!r}")
+        if self.lora_id is not None and not isinstance(self.lora_id, str):
+            raise ArgumentError(
+                f"ReuseScope: lora_id must be a str or None (e.g. str(lora_int_id)), "
+                f"got {self.lora_id!r}"
+            )
+        # A lone string would iterate as one "digest" per character: 'abc' is one digest.
+        digests = self.mm_digests
+        if isinstance(digests, (str, bytes, bytearray)) or not isinstance(digests, (list, tuple)):
+            raise ArgumentError(
+                f"ReuseScope: mm_digests must be a tuple of digests (bytes or str), "
+                f"got {digests!r:.80}"
+            )
+        for digest in digests:
+            if not isinstance(digest, (bytes, str)):
+                raise ArgumentError(
+                    f"ReuseScope: each of mm_digests must be bytes or str, got {digest!r:.80}"
+                )
+        object.__setattr__(self, "mm_digests", tuple(digests))
+        texts = [self.cache_salt, self.lora_id or "", *(d for d in digests if isinstance(d, str))]
+        for text in texts:
+            try:
+                _as_bytes(text)
+            except UnicodeEncodeError:
+                raise ArgumentError(f"ReuseScope: {text!r:.80} is not encodable text") from None
+
     def seed(self) -> bytes:
         h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"kvconn-scope")
         h.update(_VERSION)
-        h.update(_field(self.cache_salt.encode()))
-        h.update(_field(b"" if self.lora_id is None else b"L" + self.lora_id.encode()))
+        h.update(_field(_as_bytes(self.cache_salt)))
+        h.update(_field(b"" if self.lora_id is None else b"L" + _as_bytes(self.lora_id)))
         h.update(len(self.mm_digests).to_bytes(8, "little"))
         for digest in self.mm_digests:
             h.update(_field(_as_bytes(digest)))
@@ -79,17 +110,39 @@ def block_hashes(
     ``extras[i]`` (optional) is mixed into block ``i`` only, e.g. the digest of an image
     whose placeholder tokens fall in that block.
     """
-    if tokens_per_block < 1:
-        raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-    if hasattr(tokens, "tolist"):
+    if (
+        isinstance(tokens_per_block, bool)
+        or not isinstance(tokens_per_block, int)
+        or tokens_per_block < 1
+    ):
+        raise ArgumentError(f"tokens_per_block must be an int >= 1, got {tokens_per_block!r}")
+    if hasattr(tokens, "tolist"):  # a tensor or an array
         tokens = tokens.tolist()
+    # Bytes would pass as tokens, 8 bytes per token id (array.array reads them raw).
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, Sequence):
+        raise ArgumentError(f"tokens must be a sequence of token ids, got {tokens!r:.80}")
+    if scope is not None and not isinstance(scope, ReuseScope):
+        raise ArgumentError(f"scope must be a ReuseScope or None, got {scope!r:.80}")
     n = len(tokens) // tokens_per_block
-    if extras is not None and len(extras) < n:
-        raise ConfigError(f"extras has {len(extras)} entries for {n} full blocks")
+    if extras is not None:
+        if isinstance(extras, (str, bytes)) or not isinstance(extras, Sequence):
+            raise ArgumentError(f"extras must be a sequence of bytes, got {extras!r:.80}")
+        if len(extras) < n:
+            raise ArgumentError(f"extras has {len(extras)} entries for {n} full blocks")
+        for i, extra in enumerate(extras[:n]):
+            if not isinstance(extra, (bytes, bytearray)):
+                raise ArgumentError(f"extras[{i}] must be bytes, got {extra!r:.80}")
     parent = (scope or ReuseScope()).seed()
     out: list[bytes] = []
-    for i in range(n):
+    i = 0
+    try:
+        for i in range(n):
+            chunk = tokens[i * tokens_per_block : (i + 1) * tokens_per_block]
+            parent = hash_block(parent, chunk, extras[i] if extras is not None else b"")
+            out.append(parent)
+    except (TypeError, OverflowError):
         chunk = tokens[i * tokens_per_block : (i + 1) * tokens_per_block]
-        parent = hash_block(parent, chunk, extras[i] if extras is not None else b"")
-        out.append(parent)
+        raise ArgumentError(
+            f"tokens must be integer ids that fit 64 bits; block {i} holds {list(chunk)!r:.120}"
+        ) from None
     return out

@@ -12,7 +12,8 @@ rank's pages, which the group-wide hit rule needs.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from kvconn.errors import LayoutError
 if TYPE_CHECKING:  # layouts are plain data: only from_tensor reads tensors, by duck typing
     import torch
 
-_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Role:
     dtype: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise LayoutError(f"role name {self.name!r} must be lower-case letters, digits and '_'")
         if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 1:
             raise LayoutError(f"role {self.name!r}: units must be an int >= 1, got {self.units!r}")
@@ -94,6 +95,15 @@ def _int(value: object, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LayoutError(f"{where}: {what} must be an int, got {value!r}")
     return value
+
+
+def _items(value: object, what: str, where: str) -> tuple[object, ...]:
+    """A tuple/list field as a tuple; anything else (None, a string, a number) is refused."""
+    # Sets and mappings are refused too: their order is not declared, and the order of
+    # regions is the page's byte order, which every rank must agree on.
+    if isinstance(value, (str, bytes, AbstractSet, Mapping)) or not isinstance(value, Iterable):
+        raise LayoutError(f"{where}: {what} must be a tuple or list, got {value!r:.80}")
+    return tuple(value)
 
 
 def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = False) -> int:
@@ -121,6 +131,8 @@ class Region:
     pool: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.role, str):
+            raise LayoutError(f"a region's role must be a role name, got {self.role!r}")
         where = self.label
         _positive_int(self.layer, "layer", where, allow_zero=True)
         _positive_int(self.base, "base", where, allow_zero=True)
@@ -153,6 +165,9 @@ class Region:
         concatenation that any backend can store.
         """
         where = f"region {role}@layer{layer}"
+        for name, tensor in (("view", view), ("pool", pool)):
+            if not all(hasattr(tensor, a) for a in ("dim", "device", "data_ptr", "stride")):
+                raise LayoutError(f"{where}: {name} must be a torch.Tensor, got {tensor!r:.80}")
         if view.dim() < 1:
             raise LayoutError(f"{where}: the tensor needs a slot dimension (dim 0)")
         if view.device != pool.device:
@@ -190,9 +205,11 @@ class LayerGroup:
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "regions", tuple(self.regions))
         _positive_int(self.index, "index", "layer group", allow_zero=True)
+        if not isinstance(self.name, str):
+            raise LayoutError(f"layer group {self.index}: name must be a string, got {self.name!r}")
         where = self.label
+        object.__setattr__(self, "regions", _items(self.regions, "regions", where))
         _positive_int(self.num_slots, "num_slots", where)
         if not self.regions:
             raise LayoutError(f"{where}: has no regions")
@@ -227,9 +244,8 @@ class KvLayout:
     _roles_by_name: dict[str, Role] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "roles", tuple(self.roles))
-        object.__setattr__(self, "groups", tuple(self.groups))
-        object.__setattr__(self, "pool_sizes", tuple(self.pool_sizes))
+        for name in ("roles", "groups", "pool_sizes"):
+            object.__setattr__(self, name, _items(getattr(self, name), name, "layout"))
         _positive_int(self.tp_size, "tp_size", "layout")
         _positive_int(self.tokens_per_block, "tokens_per_block", "layout")
         by_name: dict[str, Role] = {}
@@ -243,6 +259,9 @@ class KvLayout:
         object.__setattr__(self, "_roles_by_name", by_name)
         if not self.groups:
             raise LayoutError("layout: has no layer groups")
+        for group in self.groups:
+            if not isinstance(group, LayerGroup):
+                raise LayoutError(f"layout: groups must be LayerGroup objects, got {group!r:.80}")
         for i, size in enumerate(self.pool_sizes):
             _positive_int(size, f"pool_sizes[{i}]", "layout")
         indices = [g.index for g in self.groups]

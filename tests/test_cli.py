@@ -2,6 +2,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from kvconn.errors import ConfigError
 from kvconn.tools.cli import main
 
 
@@ -81,3 +84,35 @@ def test_the_package_exports_its_public_names_lazily():
         assert "NoSuchName" in str(exc)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (lambda p: p.mkdir(), "is a directory, not a file"),
+        (lambda p: p.write_bytes(b"\xff\xfe = 1"), "is not UTF-8 text"),
+        (lambda p: p.write_text('model = "m"\noptions = 5\n'), "options must be a table/dict"),
+    ],
+    ids=["directory", "not-utf-8", "options-not-a-table"],
+)
+@pytest.mark.parametrize("command", ["inspect", "simulate"])
+def test_a_config_file_that_cannot_be_used_is_one_error_line_not_a_traceback(
+    capsys, tmp_path, command, write, message
+):
+    path = tmp_path / "kvconn.toml"
+    write(path)
+    assert main([command, "--config", str(path), "--path", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and "Traceback" not in err
+
+
+def test_error_messages_are_printed_with_url_passwords_masked(capsys, monkeypatch):
+    import kvconn.tools.inspect_store
+
+    def fail(args):
+        raise ConfigError("cannot reach redis://alice:hunter2@10.0.0.1:6379/0")
+
+    monkeypatch.setattr(kvconn.tools.inspect_store, "run", fail)
+    assert main(["inspect"]) == 2
+    err = capsys.readouterr().err
+    assert "hunter2" not in err and "redis://alice:***@10.0.0.1:6379/0" in err

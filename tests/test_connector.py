@@ -11,7 +11,14 @@ import kvconn.backend as backend_module
 from kvconn.backend import VettedKeys, as_bools
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import BackendUnavailable, ConfigError, InvalidKeyError
+from kvconn.errors import (
+    ArgumentError,
+    BackendUnavailable,
+    ConfigError,
+    InvalidKeyError,
+    KvconnError,
+    LayoutError,
+)
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.keys import LAYOUT
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
@@ -379,6 +386,82 @@ def test_bad_requests_fail_with_clear_errors_and_store_nothing(store):
     no_pools = Connector(ConnectorConfig(model="m", backend="dict"), layout, backend=store)
     with pytest.raises(ConfigError, match="no KV pools"):
         no_pools.load(HASHES, SLOTS)
+
+
+def test_one_slot_named_for_two_blocks_is_refused_for_load_and_save(store):
+    """``load(hashes, [5, 5])`` reported 2 blocks loaded while slot 5 held only the
+    second; a save would store slot 5's bytes under both blocks' keys, serving wrong
+    bytes to every later request with the first block's prefix."""
+    layout = minimax_m3(tp_size=8)
+    group = tp_group(layout, store)
+    save_all(group)
+    stored = dict(store.data)
+    conn = group[0]
+    for call in (conn.load, conn.save):
+        with pytest.raises(ArgumentError, match="slot 5 is given for two different blocks"):
+            call(HASHES[:2], [5, 5])
+        with pytest.raises(ValueError, match="block 0 and block 2"):  # still a ValueError
+            call(HASHES[:3], {0: [4, 6, 4]})
+    assert store.data == stored and conn.stats.snapshot()["total"].get("loaded") is None
+    # the same block twice in one slot is consistent, and allowed
+    assert conn.load([HASHES[0], HASHES[0]], [2, 2]).loaded == 2
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [None, "ab", 5, [[1], [2]], [1, None], {1, 2}, [2**70, 1], {0: [1, 2], 7: [1, 2]}],
+    ids=["none", "str", "scalar", "2-d", "none-inside", "set", "overflow", "unknown-group"],
+)
+def test_slots_of_the_wrong_shape_or_type_are_argument_errors(store, slots):
+    conn = tp_group(minimax_m3(tp_size=2, layers=1, num_slots=4), store)[0]
+    for call in (conn.load, conn.save):
+        with pytest.raises(ArgumentError, match=r"slots|layer group"):
+            call(HASHES[:2], slots)
+    assert store.data == {}
+
+
+@pytest.mark.parametrize(
+    "hashes",
+    [None, 5, b"x" * 16, [None], ["ab" * 8]],
+    ids=["none", "int", "bytes", "none-in", "str"],
+)
+def test_block_hashes_that_are_not_a_list_of_digests_are_argument_errors(store, hashes):
+    conn = tp_group(minimax_m3(tp_size=2, layers=1, num_slots=4), store)[0]
+    with pytest.raises(ArgumentError, match="16-byte digests"):
+        conn.lookup(hashes)
+    with pytest.raises(ArgumentError, match="16-byte digests"):
+        conn.load(hashes, [0])
+
+
+def test_argument_errors_are_still_the_value_and_type_errors_callers_catch():
+    """They used to be plain ValueError (slot counts) or TypeError (wrong types)."""
+    assert issubclass(ArgumentError, ValueError) and issubclass(ArgumentError, TypeError)
+    assert issubclass(ArgumentError, KvconnError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"layout": None}, LayoutError, "layout must be a KvLayout, got None"),
+        ({"config": None}, ConfigError, "a configuration must be a table/dict"),
+        ({"backend": 5}, ConfigError, "backend must be a kvconn Backend instance, got 5"),
+        ({"pools": 5}, LayoutError, "pools must be a list of tensors"),
+        ({"pools": torch.zeros(4096, dtype=torch.uint8)}, LayoutError, r"\(e.g. \[pool\]\)"),
+        ({"pools": [None]}, LayoutError, "pool 0 must be a torch tensor, got None"),
+        ({"rank": "0"}, LayoutError, "rank must be an int, got '0'"),
+    ],
+    ids=["layout", "config", "backend", "pools-int", "pools-tensor", "pools-none", "rank"],
+)
+def test_constructor_arguments_of_the_wrong_type_name_themselves(store, kwargs, error, message):
+    args = {
+        "config": ConnectorConfig(model="m", backend="dict"),
+        "layout": minimax_m3(tp_size=2, layers=1, num_slots=4),
+        "backend": store,
+        **kwargs,
+    }
+    config, layout = args.pop("config"), args.pop("layout")
+    with pytest.raises(error, match=message):
+        Connector(config, layout, **args)
 
 
 def test_pools_must_match_the_layout(store):

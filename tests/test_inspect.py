@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +124,158 @@ def test_inspect_reports_what_simulate_stored(capsys, tmp_path):
 
 
 def test_inspect_of_an_empty_store_says_so(capsys, tmp_path):
+    load_backend("lmdb", {"path": str(tmp_path / "empty")}).close()
     assert main(["inspect", "--path", str(tmp_path / "empty")]) == 0
     assert "(empty)" in capsys.readouterr().out
+
+
+def test_inspect_of_a_path_without_a_store_says_so_and_creates_nothing(capsys, tmp_path):
+    """Inspect opens read-only: a mistyped --path used to leave an empty store behind
+    and report it as empty, which reads as "the cache is empty"."""
+    typo = tmp_path / "sotre"
+    assert main(["inspect", "--path", str(typo)]) == 2
+    assert f"there is no store at {typo}" in capsys.readouterr().err
+    assert not typo.exists()
+
+
+def test_inspect_checks_every_field_of_its_config_file_and_filters_by_its_namespace(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    path = tmp_path / "kvconn.toml"
+    path.write_text("model = 5\n")
+    assert main(["inspect", "--config", str(path), "--path", str(store)]) == 2
+    assert "model must be a non-empty string, got 5" in capsys.readouterr().err
+    path.write_text('namespace = "other ns"\n')
+    result = inspect_json(capsys, store, "--config", str(path))
+    assert (result["prefix"], result["keys"]) == ("other%20ns/", 0)  # spelt as keys spell it
+
+
+def test_inspect_reads_backend_options_from_kvconn_option_variables(capsys, tmp_path, monkeypatch):
+    """So that a secret (a Redis password) need not be on the command line."""
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    monkeypatch.setenv("KVCONN_OPTION_PATH", str(store))
+    assert main(["inspect", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["store"] == f"lmdb at {store}"
+    elsewhere = tmp_path / "elsewhere"
+    load_backend("lmdb", {"path": str(elsewhere)}).close()
+    assert main(["inspect", "--json", "-o", f"path={elsewhere}"]) == 0  # flags win
+    assert json.loads(capsys.readouterr().out)["store"] == f"lmdb at {elsewhere}"
+
+
+def test_inspect_never_prints_a_password_given_in_a_url_or_an_option(tmp_path):
+    """The store is unreachable (a closed port), so the error path is what is shown."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+    env = {**os.environ, "KVCONN_OPTION_PASSWORD": "hunter2-env"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvconn.tools.cli",
+            "inspect",
+            "--backend",
+            "redis",
+            "-o",
+            f"url=redis://alice:hunter2-url@127.0.0.1:{port}/0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "hunter2" not in done.stdout + done.stderr
+
+
+# ------------------------------------------------ keys other programs wrote (issue 11)
+def _write_foreign_keys(path: Path) -> None:
+    rewrite(
+        path,
+        lambda txn: [
+            txn.put(key, b"12345")
+            for key in (
+                b"\xff\xfe/not-utf8",
+                "\u00e9/m/_layout/lg0/t32b8-ab".encode(),  # shaped like a manifest key
+                "\u00e9/m/replicated/lg0/t32b8-ab/00".encode(),  # shaped like a page key
+            )
+        ],
+    )
+
+
+def test_non_ascii_and_undecodable_keys_of_other_programs_never_fail_inspect(capsys, tmp_path):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+    before = inspect_json(capsys, store)
+    _write_foreign_keys(store)
+    assert inspect_json(capsys, store) == before  # LMDB does not list them
+    only = inspect_json(capsys, store, "--prefix", "\u00e9")
+    assert (only["keys"], only["models"]) == (0, [])
+
+
+def test_keys_outside_kvconns_alphabet_are_other_keys_never_pages_or_manifests():
+    """For a backend that lists such keys: a non-ASCII key shaped like a manifest was
+    read with a get that refused it, failing the whole inspect."""
+    entries = [
+        ("\u00e9/m/_layout/lg0/t32b8-ab", 5),
+        ("\u00e9/m/replicated/lg0/t32b8-ab/00", 5),
+        ("kvconn/m/replicated/lg0/t32b8-ab/00", 8),
+    ]
+    fp = footprint(entries)
+    assert (fp.other_keys, fp.other_bytes, fp.manifests) == (2, 10, {})
+    assert [model for (_, model, *_) in fp.rows] == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("terminal", "shown"),
+    [
+        ({"PYTHONIOENCODING": "utf-8"}, "mod\u00e8le"),
+        ({"PYTHONIOENCODING": "ascii"}, "mod\\xe8le"),
+        # the C locale without UTF-8 mode: argv's "\u00e9" arrives as surrogate escapes
+        ({"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}, "mod\\xe8le"),
+    ],
+    ids=["utf-8", "ascii", "c-locale"],
+)
+def test_inspect_prints_non_ascii_names_on_any_terminal(tmp_path, terminal, shown):
+    """An ASCII terminal gets escapes instead of a UnicodeEncodeError traceback."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    backend = load_backend("lmdb", {"path": str(store)})
+    try:
+        for conn in tp_group(minimax_m3(tp_size=2, layers=1), backend, model="mod\u00e8le"):
+            assert conn.save(HASHES[:2], [0, 1]).dropped == 0
+    finally:
+        backend.close()
+    _write_foreign_keys(store)
+    env = {**os.environ, **terminal}
+    for extra in ([], ["--prefix", "\u00e9"], ["--json", "--prefix", "\u00e9"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "kvconn.tools.cli", "inspect", "--path", str(store), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "kvconn.tools.cli", "inspect", "--path", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert f"kvconn/{shown}:" in done.stdout
 
 
 def test_a_backend_that_cannot_list_gets_a_clear_error(capsys, monkeypatch):

@@ -150,3 +150,39 @@ def test_overlap_check_agrees_with_comparing_every_byte(a, b):
 
     assert _strided_overlap(a, b) == bool(touched(a) & touched(b))
     assert _strided_overlap(b, a) == bool(touched(a) & touched(b))
+
+
+# ------------------------------------------------ wrong types (issue 11)
+_ROLE = Role("k", 1, "bf16")
+_REGION = Region("k", 0, 0, 16, 16, 4)
+_GROUP = LayerGroup(0, 4, (_REGION,))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: KvLayout(1, 4, None, (_GROUP,), (64,)), "roles must be a tuple or list, got None"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4, "k", (_GROUP,), (64,)), "roles must be a tuple or list, got 'k'"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4, (_ROLE,), None, (64,)), "groups must be a tuple or list"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4, (_ROLE,), [5], (64,)), "groups must be LayerGroup objects, got 5"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4, (_ROLE,), (_GROUP,), 64), "pool_sizes must be a tuple or list"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4, (_ROLE,), (_GROUP,), [64.0]), r"pool_sizes\[0\] must be an int"),  # type: ignore[arg-type]
+        (lambda: KvLayout(1, 4.0, (_ROLE,), (_GROUP,), (64,)), "tokens_per_block must be an int"),  # type: ignore[arg-type]
+        (lambda: LayerGroup(0, 4, None), "regions must be a tuple or list, got None"),  # type: ignore[arg-type]
+        (lambda: LayerGroup(0, 4, _REGION), "regions must be a tuple or list"),  # type: ignore[arg-type]
+        (lambda: LayerGroup(0, 4, (_REGION,), name=5), "name must be a string, got 5"),  # type: ignore[arg-type]
+        (lambda: Region(None, 0, 0, 16, 16, 4), "role must be a role name, got None"),  # type: ignore[arg-type]
+        (lambda: Role("k\n", 1, "bf16"), "role name 'k\\\\n'"),  # type: ignore[arg-type]
+        (lambda: Region.from_tensor("k", 0, None, torch.zeros(4)), "view must be a torch.Tensor"),  # type: ignore[arg-type]
+    ],
+)
+def test_descriptions_of_the_wrong_type_are_layout_errors_naming_the_field(make, message):
+    with pytest.raises(LayoutError, match=message):
+        make()
+
+
+def test_regions_in_a_set_are_refused_because_their_order_is_the_page_order():
+    other = Region("v", 0, 16, 16, 32, 4)
+    with pytest.raises(LayoutError, match="regions must be a tuple or list"):
+        LayerGroup(0, 4, {_REGION, other})  # type: ignore[arg-type]
+    assert LayerGroup(0, 4, [_REGION, other]).regions == (_REGION, other)  # type: ignore[arg-type]

@@ -16,8 +16,8 @@ import torch
 import kvconn.connector as connector_module
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import BackendUnavailable, ConfigError, LayoutError
-from kvconn.hashing import block_hashes
+from kvconn.errors import ArgumentError, BackendUnavailable, ConfigError, LayoutError
+from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.tools.models import minimax_m3
@@ -279,3 +279,57 @@ def test_slots_that_are_not_integers_are_refused_instead_of_truncated(slots):
 def test_roles_of_the_wrong_type_are_a_layout_error_naming_them(make, match):
     with pytest.raises(LayoutError, match=match):
         make()
+
+
+# ------------------------------------------------ issue 11: inputs from the outside
+
+
+def test_a_lone_string_of_multimodal_digests_is_refused_not_read_as_one_per_character():
+    """``ReuseScope(mm_digests='abc')`` used to be three digests 'a', 'b', 'c'."""
+    with pytest.raises(ArgumentError, match="mm_digests must be a tuple of digests"):
+        ReuseScope(mm_digests="abc")  # type: ignore[arg-type]
+    as_list = ReuseScope(mm_digests=[b"img"])  # type: ignore[arg-type]
+    assert as_list.mm_digests == (b"img",)
+    assert as_list.seed() == ReuseScope(mm_digests=(b"img",)).seed()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ReuseScope(cache_salt=None), "cache_salt must be a str, got None"),  # type: ignore[arg-type]
+        (lambda: ReuseScope(lora_id=3), r"lora_id must be a str or None \(e.g. str\(lora_int_id"),  # type: ignore[arg-type]
+        (lambda: ReuseScope(mm_digests=[1]), "each of mm_digests must be bytes or str, got 1"),  # type: ignore[arg-type]
+        (lambda: block_hashes(None, 32), "tokens must be a sequence of token ids, got None"),  # type: ignore[arg-type]
+        (lambda: block_hashes(b"\0" * 256, 32), "tokens must be a sequence of token ids"),
+        (lambda: block_hashes([1.5] * 32, 32), "tokens must be integer ids .* block 0 holds"),  # type: ignore[list-item]
+        (lambda: block_hashes([1] * 32 + [2**64] * 32, 32), "fit 64 bits; block 1 holds"),  # type: ignore[arg-type]
+        (lambda: block_hashes([1] * 32, 2.0), "tokens_per_block must be an int >= 1, got 2.0"),  # type: ignore[arg-type]
+        (lambda: block_hashes([1] * 32, 0), "tokens_per_block must be an int >= 1, got 0"),  # type: ignore[arg-type]
+        (lambda: block_hashes([1] * 32, 32, "salt"), "scope must be a ReuseScope or None"),  # type: ignore[arg-type]
+        (lambda: block_hashes([1] * 64, 32, extras=[b""]), "extras has 1 entries for 2 full"),  # type: ignore[arg-type]
+        (lambda: block_hashes([1] * 32, 32, extras=[None]), r"extras\[0\] must be bytes, got None"),  # type: ignore[list-item]
+    ],
+)
+def test_bad_tokens_and_scopes_are_argument_errors_naming_the_input(make, message):
+    with pytest.raises(ArgumentError, match=message):
+        make()
+
+
+def test_tokens_as_tensors_or_ranges_hash_like_lists():
+    tokens = list(range(64))
+    expected = block_hashes(tokens, 32)
+    assert block_hashes(torch.tensor(tokens), 32) == expected  # type: ignore[arg-type]
+    assert block_hashes(range(64), 32) == expected
+    assert block_hashes(tuple(tokens), 32, extras=[bytearray(), b""]) == expected  # type: ignore[list-item]
+
+
+def test_a_salt_read_under_a_c_locale_hashes_as_the_text_that_was_typed():
+    """argv and the environment carry non-ASCII bytes as surrogate escapes under a C
+    locale; ``.encode()`` raised UnicodeEncodeError on them (a traceback in ``kvconn
+    simulate --salt``). The escapes turn back into the typed bytes instead."""
+    typed = "caf\u00e9"
+    escaped = typed.encode().decode("ascii", "surrogateescape")
+    assert ReuseScope(cache_salt=escaped).seed() == ReuseScope(cache_salt=typed).seed()
+    assert ReuseScope(mm_digests=(escaped,)).seed() == ReuseScope(mm_digests=(typed,)).seed()
+    with pytest.raises(ArgumentError, match="is not encodable text"):
+        ReuseScope(lora_id="\ud800")

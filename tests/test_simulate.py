@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -260,12 +261,109 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["--option", "mapsize=1"], "unknown option(s) mapsize; accepted: path, map_size"),
         (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
         (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
+        # absurd sizes (issue 11): refused before any rank process starts
+        (["--tp", "100000"], "--tp must be an int between 1 and 128, got 100000"),
+        (["--tokens-per-block", "100000"], "--tokens-per-block must be an int between 1 and"),
+        (["--conversations", "2000000"], "conversations must be an int between 1 and 1,000,000"),
+        (["--user-tokens", "1:99999999"], "user_tokens must be MIN:MAX with 0 <= MIN <= MAX <="),
+        (["-o", "sync=no"], "lmdb: sync must be true or false, got 'no'"),
+        (["-o", "max_readers=-1"], "lmdb: max_readers must be an int between 1 and 65536"),
+        (["-o", "path=''"], "lmdb: path must be a non-empty directory path"),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(capsys, tmp_path, args, message):
-    code = main(["simulate", "--path", str(tmp_path / "store"), *args])
+    path = [] if any(a.startswith("path=") for a in args) else ["--path", str(tmp_path / "s")]
+    code = main(["simulate", *path, *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_with_its_size_before_starting(
+    capsys, tmp_path, monkeypatch
+):
+    """``--tp 64`` with the real layer count used to start the ranks and die in one of
+    them with an out-of-memory traceback; now the estimate is checked first."""
+    import kvconn.tools.simulate.runner as runner
+
+    monkeypatch.setattr(runner, "available_memory", lambda: 3 << 30)
+    store = tmp_path / "store"
+    args = ["--model", "deepseek-v3.2", "--tp", "64", "--layers", "all"]
+    assert main(["simulate", "--path", str(store), *SMALL[2:], *args]) == 2
+    err = capsys.readouterr().err
+    assert "this simulation needs about" in err and "64 rank(s) x (pools" in err
+    assert "but the machine has 3.00 GiB available; lower --tp" in err
+    assert not store.exists()  # nothing started: not even the store was opened
+
+
+def test_the_memory_estimate_counts_every_ranks_pools_and_staging():
+    from kvconn.tools.simulate.budget import (
+        BASE_OVERHEAD,
+        BYTES_PER_WORKLOAD_TOKEN,
+        RANK_OVERHEAD,
+        check_memory,
+        estimate_memory,
+    )
+
+    estimate = estimate_memory(
+        ranks=8,
+        pool_sizes=(64 << 20, 16 << 20),
+        staging_bytes=256 << 20,
+        prompt_tokens=1000,
+        start_method="spawn",
+    )
+    per_rank = (80 << 20) + (40 << 20) + 4096 + RANK_OVERHEAD["spawn"]  # staging: half a pool
+    expected = 8 * per_rank + 1000 * BYTES_PER_WORKLOAD_TOKEN + BASE_OVERHEAD
+    assert estimate.total == expected
+    check_memory(estimate, expected)  # fits exactly
+    check_memory(estimate, None)  # unknown: not refused
+    with pytest.raises(ConfigError, match=r"8 rank\(s\) x \(pools 80.00 MiB \+ staging"):
+        check_memory(estimate, expected - 1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_workloads_token_bound_known_before_generating_it_holds(seed):
+    spec = WorkloadSpec(seed=seed, conversations=6, turns=5, system_tokens=(0, 90))
+    assert 0 < sum(len(r.tokens) for r in generate(spec)) <= spec.max_prompt_tokens()
+
+
+def test_a_layout_file_with_absurd_sizes_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "big.toml"
+    path.write_text(LAYOUT_TOML.replace("bytes_per_unit = 64", "bytes_per_unit = 999999999"))
+    with pytest.raises(LayoutError, match="bytes_per_unit must be an int between 1 and 1048576"):
+        load_preset(path)
+    path.write_text(LAYOUT_TOML.replace("layers = ", "layers = 1000000 #"))
+    with pytest.raises(LayoutError, match="layers must be an int between 1 and 10000"):
+        load_preset(path)
+
+
+def test_simulate_never_prints_a_password_from_options_or_urls(tmp_path, monkeypatch):
+    """Secrets through the environment (the way to keep them out of argv) and in a URL;
+    the store is unreachable, so warnings and the report's error figures are shown."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens
+    env = {**os.environ, "KVCONN_OPTION_PASSWORD": "hunter2-env"}
+    url = f"url=redis://alice:hunter2-url@127.0.0.1:{port}/0"
+    command = [sys.executable, "-m", "kvconn.tools.cli", "simulate", "--tp", "2", *SMALL]
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [*command, "--backend", "redis", "-o", url, *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-500:]
+        assert "hunter2" not in done.stdout + done.stderr
+    from kvconn.config import ConnectorConfig
+    from kvconn.tools.simulate.runner import SimSettings
+
+    config = ConnectorConfig(model="m", backend="redis", options={"password": "hunter2"})
+    assert "hunter2" not in repr(SimSettings(get_preset("minimax-m3"), config))
 
 
 # ---------------------------------------------------------------- presets and bytes

@@ -8,7 +8,10 @@ map straight into the caller's staging buffer.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import stat
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,17 +20,112 @@ from typing import Any, ClassVar
 from kvconn.backend import Backend, Capabilities
 from kvconn.errors import BackendError, ConfigError
 
-__all__ = ["LmdbBackend", "default_path"]
+__all__ = ["LmdbBackend", "check_data_file", "default_path"]
+
+log = logging.getLogger("kvconn")
 
 _GROWTH = 2
-_OPEN: dict[tuple[int, str], tuple[Any, int]] = {}  # (pid, realpath) -> (env, refcount)
+#: (pid, realpath) -> (env, refcount, writable)
+_OPEN: dict[tuple[int, str], tuple[Any, int, bool]] = {}
 _OPEN_LOCK = threading.Lock()
+
+#: Bounds only a typo reaches. The map is reserved address space (128 TiB on x86-64);
+#: each reader slot is 64 bytes of the lock file.
+MAX_MAP_SIZE = 1 << 46  # 64 TiB
+MAX_READERS = 1 << 16
+
+#: LMDB's file header (mdb.c, data format version 1): each of the first two pages is a
+#: page header followed by a meta record; the meta with the larger transaction id is
+#: current. Native sizes and alignment, as LMDB writes them.
+_PAGE_HEADER = struct.Struct("@NHHHH")  # page number, pad, flags, lower, upper
+_DB = "IHHNNNNN"  # pad (the page size, in the free-page DB), flags, depth, 4 counts, root
+_META = struct.Struct("@IIPN" + _DB + _DB + "NN")  # magic, version, address, map size,
+# free-page DB, main DB, last used page, transaction id
+_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1
+#: The bytes of keys the backend contract accepts: printable ASCII without the space.
+_KEY_ALPHABET = bytes(range(0x21, 0x7F))
 
 
 def default_path() -> Path:
     """``$XDG_CACHE_HOME/kvconn/lmdb`` (``~/.cache/kvconn/lmdb``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvconn" / "lmdb"
+
+
+def _meta(raw: bytes) -> tuple[int, int, int] | None:
+    """(page size, last used page, transaction id) of one meta page, or None if not one."""
+    if len(raw) < _PAGE_HEADER.size + _META.size:
+        return None
+    fields = _META.unpack_from(raw, _PAGE_HEADER.size)
+    magic, version, page_size, last_page, txnid = (
+        fields[0],
+        fields[1],
+        fields[4],
+        fields[-2],
+        fields[-1],
+    )
+    if magic != _MAGIC or version != _DATA_VERSION:
+        return None
+    if page_size < 512 or page_size > 1 << 16 or page_size & (page_size - 1):
+        return None
+    return page_size, last_page, txnid
+
+
+def check_data_file(directory: Path) -> None:
+    """Refuse a ``data.mdb`` shorter than the pages its header says are in use.
+
+    LMDB maps the file and reads pages through the map: a page past the end of a
+    truncated file (a full disk, an interrupted copy) is not an error it can return but
+    a SIGBUS that kills the process. So the header is read with plain file reads,
+    before LMDB maps anything. A missing or empty file is a new store; a file that is
+    not LMDB's (another format version) is left for LMDB to refuse.
+    """
+    data = directory / "data.mdb"
+    need = _PAGE_HEADER.size + _META.size
+    try:
+        with open(data, "rb") as fh:
+            first = _meta(fh.read(need))
+            if first is None:
+                return  # empty (a new store), or not a file this check understands
+            page_size = first[0]
+            fh.seek(page_size)
+            second = _meta(fh.read(need))
+            # The size after the metas: a writer in another process appends its pages
+            # before it updates a meta, so a meta read first never names a page past
+            # the size read after it (the other order races with a commit).
+            size = os.fstat(fh.fileno()).st_size
+    except OSError:
+        return  # absent or unreadable: LMDB creates it or reports why it cannot
+    metas = [m for m in (first, second) if m is not None]
+    last_page = max(m[1] for m in metas)
+    required = max(2, last_page + 1) * page_size
+    if size < required:
+        raise BackendError(
+            f"lmdb: the store at {directory} is damaged: data.mdb is {size} bytes, but its "
+            f"header says pages up to {last_page} of {page_size} bytes are in use "
+            f"({required} bytes). The file was cut short (a full disk, an interrupted "
+            f"copy?); reading it would crash the process with SIGBUS, so it is not "
+            f"opened. Move it aside or delete {directory} to start an empty store."
+        )
+
+
+def _check_permissions(directory: Path) -> None:
+    """Warn when others may write the store: they could replace pages this process serves."""
+    for where in (directory, directory / "data.mdb"):
+        try:
+            mode = stat.S_IMODE(os.stat(where).st_mode)
+        except OSError:
+            continue
+        writers = [who for who, bit in (("group", 0o020), ("others", 0o002)) if mode & bit]
+        if writers:
+            log.warning(
+                "kvconn: lmdb: %s is writable by %s (mode %s): anyone who can write there "
+                "can replace cached KV pages that kvconn then serves; chmod go-w it",
+                where,
+                " and ".join(writers),
+                oct(mode),
+            )
 
 
 class LmdbBackend(Backend):
@@ -45,29 +143,48 @@ class LmdbBackend(Backend):
         max_map_size: int | None = None,
         sync: bool = False,
         max_readers: int = 512,
+        readonly: bool = False,
     ) -> None:
         """Open (creating if needed) the store at ``path``.
 
         ``sync=False`` keeps LMDB's integrity guarantees but may lose the last commits on
         a machine crash: right for a cache, where a lost page is only a miss.
+        ``readonly=True`` opens an existing store without creating or changing anything
+        (``kvconn inspect``); a path with no store is then an error.
         """
         import lmdb
 
         self._lmdb = lmdb
-        if isinstance(map_size, bool) or not isinstance(map_size, int) or map_size < 1 << 20:
-            raise ConfigError(f"lmdb: map_size must be an int >= 1 MiB, got {map_size!r}")
-        if max_map_size is not None and max_map_size < map_size:
-            raise ConfigError("lmdb: max_map_size must be >= map_size")
-        self.path = Path(path).expanduser() if path is not None else default_path()
-        try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"lmdb: cannot create directory {self.path}: {exc}") from exc
+        self._closed = True  # until opened: close() is then a no-op
+        for name, value in (("sync", sync), ("readonly", readonly)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"lmdb: {name} must be true or false, got {value!r}")
+        _check_size("map_size", map_size, 1 << 20)
+        if max_map_size is not None:
+            _check_size("max_map_size", max_map_size, map_size)
+        if (
+            isinstance(max_readers, bool)
+            or not isinstance(max_readers, int)
+            or not 1 <= max_readers <= MAX_READERS
+        ):
+            raise ConfigError(
+                f"lmdb: max_readers must be an int between 1 and {MAX_READERS}, got {max_readers!r}"
+            )
+        self.path = _store_path(path)
+        self._readonly = readonly
+        if readonly:
+            if not (self.path / "data.mdb").is_file():
+                raise ConfigError(f"lmdb: there is no store at {self.path} (no data.mdb there)")
+        else:
+            try:
+                self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"lmdb: cannot create directory {self.path}: {exc}") from exc
         if not self.path.is_dir():
             raise ConfigError(f"lmdb: {self.path} is not a directory")
         self._max_map_size = max_map_size
         self._map_size = map_size
-        self._sync = bool(sync)
+        self._sync = sync
         self._max_readers = max_readers
         self._key = (os.getpid(), os.path.realpath(self.path))
         self._env = self._acquire()
@@ -79,13 +196,23 @@ class LmdbBackend(Backend):
         with _OPEN_LOCK:
             entry = _OPEN.get(self._key)
             if entry is not None:
-                _OPEN[self._key] = (entry[0], entry[1] + 1)
-                return entry[0]
+                env, count, writable = entry
+                if not writable and not self._readonly:
+                    raise ConfigError(
+                        f"lmdb: {self.path} is already open read-only in this process; "
+                        "close that handle before opening it for writing"
+                    )
+                _OPEN[self._key] = (env, count + 1, writable)
+                return env
+            check_data_file(self.path)
+            _check_permissions(self.path)
             try:
                 env = self._lmdb.open(
                     str(self.path),
                     map_size=self._map_size,
                     subdir=True,
+                    readonly=self._readonly,
+                    create=not self._readonly,
                     max_dbs=0,
                     lock=True,
                     readahead=False,
@@ -97,7 +224,7 @@ class LmdbBackend(Backend):
                 )
             except self._lmdb.Error as exc:
                 raise BackendError(f"lmdb: cannot open {self.path}: {exc}") from exc
-            _OPEN[self._key] = (env, 1)
+            _OPEN[self._key] = (env, 1, not self._readonly)
             return env
 
     def close(self) -> None:
@@ -109,12 +236,17 @@ class LmdbBackend(Backend):
             # are per process and per file), so the child only forgets the handle.
             return
         with _OPEN_LOCK:
-            env, count = _OPEN[self._key]
+            env, count, writable = _OPEN[self._key]
             if count > 1:
-                _OPEN[self._key] = (env, count - 1)
+                _OPEN[self._key] = (env, count - 1, writable)
             else:
                 del _OPEN[self._key]
                 env.close()
+
+    def _write_env(self) -> Any:
+        if self._readonly:
+            raise BackendError(f"lmdb: {self.path} was opened read-only")
+        return self._txn_env()
 
     def _txn_env(self) -> Any:
         if self._closed:
@@ -163,7 +295,7 @@ class LmdbBackend(Backend):
 
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         encoded = [k.encode() for k in keys]
-        env = self._txn_env()
+        env = self._write_env()
         lmdb = self._lmdb
         while True:
             try:
@@ -212,7 +344,7 @@ class LmdbBackend(Backend):
         return BackendError(f"lmdb: write failed in {self.path}: {text}")
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
-        env = self._txn_env()
+        env = self._write_env()
         try:
             with env.begin(write=True) as txn:
                 return [bool(txn.delete(k.encode())) for k in keys]
@@ -220,14 +352,45 @@ class LmdbBackend(Backend):
             raise self._write_error(exc) from exc
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """Keys the backend contract can address; keys other programs wrote outside
+        kvconn's alphabet (not printable ASCII, spaces, too long) are skipped, as the
+        Redis backend skips them, instead of failing to decode. A prefix read under a
+        C locale (surrogate escapes) is matched as the bytes that were typed."""
         env = self._txn_env()
-        start = prefix.encode()
-        with env.begin(buffers=True) as txn:
-            cursor = txn.cursor()
-            if not cursor.set_range(start):
-                return
-            for key, value in cursor:
-                key_bytes = bytes(key)
-                if not key_bytes.startswith(start):
-                    break
-                yield key_bytes.decode(), len(value)
+        start = prefix.encode("utf-8", "surrogateescape")
+        try:
+            with env.begin(buffers=True) as txn:
+                cursor = txn.cursor()
+                if not cursor.set_range(start):
+                    return
+                for key, value in cursor:
+                    key_bytes = bytes(key)
+                    if not key_bytes.startswith(start):
+                        break
+                    if len(key_bytes) > self.max_key_length or key_bytes.translate(
+                        None, _KEY_ALPHABET
+                    ):
+                        continue
+                    yield key_bytes.decode("ascii"), len(value)
+        except self._lmdb.Error as exc:
+            raise BackendError(f"lmdb: listing failed in {self.path}: {exc}") from exc
+
+
+def _check_size(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_MAP_SIZE:
+        raise ConfigError(
+            f"lmdb: {name} must be an int between {low} and {MAX_MAP_SIZE} bytes (64 TiB), "
+            f"got {value!r}"
+        )
+
+
+def _store_path(path: object) -> Path:
+    """The store directory; ``''`` is refused rather than read as the working directory."""
+    if path is None:
+        return default_path()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"lmdb: path must be a directory path, got {path!r}")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.strip() or "\0" in text:
+        raise ConfigError(f"lmdb: path must be a non-empty directory path, got {text!r}")
+    return Path(text).expanduser()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import sys
 from collections.abc import Sequence
 
 from kvconn import __version__
 from kvconn.errors import KvconnError
+from kvconn.redaction import redact_url
 
 #: name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -87,7 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tolerant_output() -> None:
+    """Print what the terminal cannot encode as escapes instead of dying on it.
+
+    Reports quote names from the store (a model, a key prefix, keys other programs
+    wrote) that may be non-ASCII or not even UTF-8; an ASCII terminal must still get
+    its report.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _tolerant_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
@@ -96,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args))
     except KvconnError as exc:
-        print(f"kvconn {args.command}: error: {exc}", file=sys.stderr)
+        # Masked again here: a message may quote a URL with a password in it.
+        print(f"kvconn {args.command}: error: {redact_url(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

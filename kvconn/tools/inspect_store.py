@@ -14,7 +14,8 @@ unknown roles; an invalid manifest is flagged. Manifests are metadata, reported 
 from page bytes.
 
 Works with backends that can list keys (``capabilities.listing``); the others fail with
-a message naming those that can.
+a message naming those that can. The store is opened read-only where the backend can
+(LMDB): a mistyped ``--path`` is an error, never a new empty store.
 
     kvconn inspect                      # the default LMDB store
     kvconn inspect --path /tmp/store --json
@@ -31,10 +32,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvconn.backend import Backend
+from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError
-from kvconn.keys import LAYOUT, manifest_prefix
+from kvconn.keys import LAYOUT, key_part, manifest_prefix
 from kvconn.plan import ManifestError, PageManifest
-from kvconn.registry import backend_class, installed_backends, load_backend
+from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
 from kvconn.tools.store_options import add_store_arguments, human_bytes, store_settings
 
 _SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
@@ -66,8 +68,19 @@ class PageKey:
         return "replicated" if self.num_shards is None else f"w{self.num_shards}"
 
 
+def _kvconn_alphabet(key: str) -> bool:
+    """Whether ``key`` could be a kvconn key at all: printable ASCII without spaces.
+
+    Other programs' keys sharing the store may be anything (non-ASCII, undecodable
+    bytes listed as surrogate escapes); those are "other keys", never pages to read.
+    """
+    return key.isascii() and key.isprintable() and " " not in key
+
+
 def parse_key(key: str) -> PageKey | None:
     """The parts of a kvconn page key, or ``None`` for any other key (manifests included)."""
+    if not _kvconn_alphabet(key):
+        return None
     parts = key.split("/")
     if len(parts) != 6:
         return None
@@ -108,6 +121,8 @@ class ManifestKey:
 
 def parse_manifest_key(key: str) -> ManifestKey | None:
     """The parts of a layout manifest key, or ``None`` for any other key (pages included)."""
+    if not _kvconn_alphabet(key):
+        return None
     parts = key.split("/")
     if len(parts) != 5:
         return None
@@ -402,10 +417,17 @@ def run(args: argparse.Namespace) -> int:
             f"the {name!r} backend cannot list its keys (capabilities.listing is False), so "
             f"kvconn inspect cannot read its footprint; backends that can: {can}"
         )
+    # Every field of a --config file is checked as a connector would check it, though
+    # inspect needs only the store and the namespace from it.
+    config = ConnectorConfig.from_dict({"model": "inspect", **settings})
     prefix = args.prefix
-    if not prefix and args.namespace:
-        prefix = f"{args.namespace}/"
-    with load_backend(name, settings["options"]) as backend:
+    if not prefix and settings.get("namespace") is not None:
+        prefix = f"{key_part(config.namespace, 'namespace')}/"  # as keys spell it
+    options = dict(settings["options"])
+    if "readonly" in accepted_options(cls)[0]:
+        # Look, never touch: a mistyped --path must not leave an empty store behind.
+        options.setdefault("readonly", True)
+    with load_backend(name, options) as backend:
         fp = footprint(backend.list_keys(prefix))
         read_manifests(fp, backend, prefix)
         result = fp.as_dict()

@@ -86,6 +86,19 @@ def interleaved_layout(
     )
 
 
+#: Bounds of custom layouts, far above any real model (a KV head is a few hundred bytes
+#: per token, models have a few hundred layers): beyond them a file holds a typo.
+MAX_UNITS = 1 << 16
+MAX_BYTES_PER_UNIT = 1 << 20
+MAX_POOLS = 64
+MAX_LAYERS = 10_000
+
+
+def _bounded(where: str, what: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LayoutError(f"{where}: {what} must be an int between {low} and {high}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class PresetRole:
     """One role of a model, described independently of the TP size.
@@ -111,16 +124,11 @@ class PresetRole:
     def __post_init__(self) -> None:
         Role(self.name, self.units, self.dtype)  # same name/units/dtype rules as the core
         where = f"role {self.name!r}"
-        if (
-            isinstance(self.bytes_per_unit, bool)
-            or not isinstance(self.bytes_per_unit, int)
-            or (self.bytes_per_unit < 1)
-        ):
-            raise LayoutError(
-                f"{where}: bytes_per_unit must be an int >= 1, got {self.bytes_per_unit!r}"
-            )
-        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 0:
-            raise LayoutError(f"{where}: pool must be an int >= 0, got {self.pool!r}")
+        _bounded(where, "units", self.units, 1, MAX_UNITS)
+        _bounded(where, "bytes_per_unit", self.bytes_per_unit, 1, MAX_BYTES_PER_UNIT)
+        _bounded(where, "pool", self.pool, 0, MAX_POOLS - 1)
+        if not isinstance(self.reference_once, bool):
+            raise LayoutError(f"{where}: reference_once must be a bool")
         if self.reference_once and self.units != 1:
             raise LayoutError(
                 f"{where}: reference 'once' applies only to replicated roles (units = 1), "
@@ -153,13 +161,17 @@ class Preset:
     _by_name: dict[str, PresetRole] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "roles", tuple(self.roles))
-        object.__setattr__(self, "sources", tuple(self.sources))
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"a model preset needs a non-empty name, got {self.name!r}")
         where = f"model {self.name!r}"
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
-            raise LayoutError(f"{where}: layers must be an int >= 1, got {self.layers!r}")
+        for name in ("roles", "sources"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise LayoutError(f"{where}: {name} must be a tuple or list, got {value!r:.80}")
+            object.__setattr__(self, name, tuple(value))
+        _bounded(where, "layers", self.layers, 1, MAX_LAYERS)
+        if not isinstance(self.summary, str):
+            raise LayoutError(f"{where}: summary must be a string, got {self.summary!r}")
         if not self.roles:
             raise LayoutError(f"{where}: has no roles")
         by_name: dict[str, PresetRole] = {}
@@ -221,10 +233,9 @@ class Preset:
         layer, so that the page mover can fold a role's layers into one strided run.
         """
         n_layers = self.resolve_layers(layers)
-        if tokens_per_block < 1:
-            raise ConfigError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-        if num_slots < 1:
-            raise ConfigError(f"num_slots must be >= 1, got {num_slots}")
+        for what, value in (("tokens_per_block", tokens_per_block), ("num_slots", num_slots)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{what} must be an int >= 1, got {value!r}")
         per_token = {r.name: self._per_rank_bytes(r, tp_size) for r in self.roles}
         n_pools = 1 + max(r.pool for r in self.roles)
         regions: list[Region] = []

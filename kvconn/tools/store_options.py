@@ -8,10 +8,18 @@ store ``simulate`` just wrote, whichever backend that is.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvconn.config import ConnectorConfig, load_toml, parse_literal
+from kvconn.config import (
+    ENV_OPTION_PREFIX,
+    ConnectorConfig,
+    check_options,
+    env_options,
+    load_toml,
+    parse_literal,
+)
 from kvconn.errors import ConfigError
 
 DEFAULT_BACKEND = "lmdb"
@@ -31,7 +39,9 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="backend option, repeatable; VALUE is read as a TOML literal when it is one "
-        '(8, true, "x"), else as a string',
+        f'(8, true, "x"), else as a string. {ENV_OPTION_PREFIX}<NAME>=VALUE variables set '
+        "options too (below these flags): pass secrets such as a password that way, since a "
+        "command line is visible to every user of the machine",
     )
     group.add_argument(
         "--path",
@@ -61,17 +71,19 @@ def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def store_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The configuration table from ``--config`` overlaid by the explicit flags."""
+def store_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The configuration table from ``--config``, overlaid by ``KVCONN_OPTION_*``
+    variables, overlaid by the explicit flags."""
     data: dict[str, Any] = dict(load_toml(args.config)) if args.config else {}
-    options = dict(data.get("options", {}))
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"{args.config}: 'options' must be a table")
+    options = check_options(data.get("options", {}), f"{args.config}: options")
     if args.backend is not None:
         if data.get("backend") not in (None, args.backend):
             options = {}  # options of another backend would be rejected as unknown
         data["backend"] = args.backend
     data.setdefault("backend", DEFAULT_BACKEND)
+    options.update(env_options(os.environ if environ is None else environ))
     options.update(parse_options(args.option))
     if args.path is not None:
         options["path"] = args.path

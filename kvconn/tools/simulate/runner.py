@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
@@ -25,8 +26,10 @@ from kvconn.connector import Connector
 from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.plan import lookup_keys
+from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
 from kvconn.tools.models import Preset
+from kvconn.tools.simulate.budget import available_memory, check_memory, estimate_memory
 from kvconn.tools.simulate.report import build_report
 from kvconn.tools.simulate.timing import TimedBackend, describe_location, timed
 from kvconn.tools.simulate.worker import RankSpec, rank_main
@@ -52,16 +55,40 @@ class SimSettings:
     salt: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.preset, Preset):
+            raise ConfigError(f"preset must be a model Preset, got {self.preset!r:.80}")
+        if not isinstance(self.config, ConnectorConfig):
+            raise ConfigError(f"config must be a ConnectorConfig, got {self.config!r:.80}")
+        if not isinstance(self.workload, WorkloadSpec):
+            raise ConfigError(f"workload must be a WorkloadSpec, got {self.workload!r:.80}")
         if self.start_method not in START_METHODS:
             raise ConfigError(
                 f"start method {self.start_method!r}; choose one of: {', '.join(START_METHODS)}"
             )
-        if not 0.0 <= self.evict_rate <= 1.0:
-            raise ConfigError(f"evict rate must be within [0, 1], got {self.evict_rate}")
-        if self.tp_size < 1:
-            raise ConfigError(f"--tp must be >= 1, got {self.tp_size}")
-        if self.tokens_per_block < 1:
-            raise ConfigError(f"--tokens-per-block must be >= 1, got {self.tokens_per_block}")
+        if (
+            isinstance(self.evict_rate, bool)
+            or not isinstance(self.evict_rate, (int, float))
+            or not 0.0 <= self.evict_rate <= 1.0
+        ):
+            raise ConfigError(f"evict rate must be within [0, 1], got {self.evict_rate!r}")
+        # Every rank is a process on this machine: more than real TP groups use is a typo.
+        _bounded_int("--tp", self.tp_size, MAX_TP)
+        _bounded_int("--tokens-per-block", self.tokens_per_block, MAX_TOKENS_PER_BLOCK)
+        _bounded_int("--layers", self.layers, self.preset.layers)
+        if not isinstance(self.salt, str):
+            raise ConfigError(f"--salt must be a string, got {self.salt!r}")
+
+
+#: Largest TP group simulated: beyond real deployments (NVL72 is 72 GPUs), and each rank
+#: is a process here.
+MAX_TP = 128
+#: Engines use 1 (SGLang) to a few hundred tokens per block.
+MAX_TOKENS_PER_BLOCK = 1 << 16
+
+
+def _bounded_int(flag: str, value: object, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ConfigError(f"{flag} must be an int between 1 and {high}, got {value!r}")
 
 
 class Progress:
@@ -147,7 +174,8 @@ class _Group:
                     else f"rank {rank} exited unexpectedly (exit code {code})"
                 ) from None
             if kind == "crash":
-                last = str(payload).strip().splitlines()[-1]
+                payload = redact_url(str(payload))  # a traceback may quote a URL's password
+                last = payload.strip().splitlines()[-1]
                 sys.stderr.write(f"kvconn simulate: rank {rank} failed:\n{payload}")
                 raise SimulationError(f"rank {rank} failed: {last}")
             if kind != expected:
@@ -175,9 +203,22 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     """Run the workload and return the report (see :func:`build_report`)."""
     wall_start = time.perf_counter()
     tpb = settings.tokens_per_block
+    available = available_memory()
+    estimate = partial(
+        estimate_memory,
+        ranks=settings.tp_size,
+        staging_bytes=settings.config.staging_bytes,
+        start_method=settings.start_method,
+    )
+    # Twice: with the workload's upper bound before generating it, then exactly.
+    check_memory(
+        estimate(pool_sizes=(), prompt_tokens=settings.workload.max_prompt_tokens()), available
+    )
     requests = generate(settings.workload)
     num_slots = _num_slots(requests, tpb)
     layout = settings.preset.layout(settings.tp_size, settings.layers, num_slots, tpb)
+    prompt_tokens = sum(len(r.tokens) for r in requests)
+    check_memory(estimate(pool_sizes=layout.pool_sizes, prompt_tokens=prompt_tokens), available)
     backend = timed(load_backend(settings.config.backend, settings.config.options))
     coordinator = Connector(settings.config, layout, rank=0, backend=backend)
     try:

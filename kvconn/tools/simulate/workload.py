@@ -35,16 +35,50 @@ class WorkloadSpec:
     vocab: int = 151_936  # Qwen-sized vocabulary; only the distribution of ids matters
 
     def __post_init__(self) -> None:
-        for name in ("conversations", "turns", "system_prompts", "concurrency", "vocab"):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"workload: seed must be an int, got {self.seed!r}")
+        for name, high in _COUNT_BOUNDS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"workload: {name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+                raise ConfigError(
+                    f"workload: {name} must be an int between 1 and {high:,}, got {value!r}"
+                )
         for name in ("system_tokens", "user_tokens", "reply_tokens"):
-            lo, hi = getattr(self, name)
-            if not 0 <= lo <= hi:
-                raise ConfigError(f"workload: {name} must be MIN:MAX with 0 <= MIN <= MAX")
+            bounds = getattr(self, name)
+            if (
+                not isinstance(bounds, tuple)
+                or len(bounds) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+                or not 0 <= bounds[0] <= bounds[1] <= MAX_MESSAGE_TOKENS
+            ):
+                raise ConfigError(
+                    f"workload: {name} must be MIN:MAX with 0 <= MIN <= MAX <= "
+                    f"{MAX_MESSAGE_TOKENS:,}, got {bounds!r}"
+                )
         if self.user_tokens[0] < 1:
             raise ConfigError("workload: user messages need at least 1 token")
+
+    def max_prompt_tokens(self) -> int:
+        """An upper bound of all prompts' tokens together: every conversation takes every
+        turn with the longest messages. Known before generating anything."""
+        turns = self.turns
+        per_conversation = (
+            turns * self.system_tokens[1]
+            + self.user_tokens[1] * turns * (turns + 1) // 2
+            + self.reply_tokens[1] * turns * (turns - 1) // 2
+        )
+        return self.conversations * per_conversation
+
+
+#: Bounds only a typo reaches; the memory check (budget.py) catches the combinations.
+_COUNT_BOUNDS = {
+    "conversations": 1_000_000,
+    "turns": 10_000,
+    "system_prompts": 100_000,
+    "concurrency": 1_000_000,
+    "vocab": 1 << 40,
+}
+MAX_MESSAGE_TOKENS = 10_000_000
 
 
 @dataclass(frozen=True)
