@@ -202,3 +202,15 @@ def test_servers_die_with_the_process_that_started_them_even_on_sigkill(store):
                 os.kill(pid, signal.SIGKILL)
         for directory in started.get("dirs", []):  # nobody was left to delete them
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_redis_password_never_appears_on_the_server_command_line():
+    """``ps`` shows every process's command line, and mirakuru logs it at DEBUG."""
+    require_or_skip(RedisServer.available())
+    secret = "s3cret-in-a-file-only"
+    with RedisServer(password=secret) as server:
+        assert server.pid is not None
+        with open(f"/proc/{server.pid}/cmdline", "rb") as fh:
+            assert secret.encode() not in fh.read()
+        reply = server.command("PING")
+        assert reply in (b"PONG", "PONG")

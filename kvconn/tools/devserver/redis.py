@@ -242,10 +242,21 @@ class RedisServer:
             "logfile": self.log_path,
             "maxmemory": self.maxmemory,
             "maxmemory-policy": self.maxmemory_policy,
-            "requirepass": self.password,
         }
         flags = [s for k, v in settings.items() if v is not None for s in (f"--{k}", str(v))]
-        return [self.binary, *flags, *self.extra_args]
+        return [self.binary, *self._secret_config(), *flags, *self.extra_args]
+
+    def _secret_config(self) -> list[str]:
+        """The password goes in a private config file, never on the command line, where
+        ``ps`` and mirakuru's debug log of the command would show it."""
+        if self.password is None:
+            return []
+        path = os.path.join(str(self.directory), "secrets.conf")
+        quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f'requirepass "{quoted}"\n')
+        return [path]
 
     def _launch(self, *, retry_on_a_new_port: bool) -> None:
         assert self.log_path is not None
