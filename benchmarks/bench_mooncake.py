@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with MooncakeCluster(storage_processes=0 if embedded else 1, segment_size=segment) as cluster:
         options = {**cluster.options, "read_env": False}
+        kv: Any = load_backend("mooncake", options)  # first: loads Mooncake with INFO logs off
         host = cluster.client(segment_size=segment) if embedded else None
-        kv: Any = load_backend("mooncake", options)
         raw: Any = cluster.client()
         copying: Any = cluster.client(local_buffer_size=2 * span + 16 * MiB)
 

@@ -125,12 +125,12 @@ def own_work(kv: Any, raw: Any, keys: list[str], limit: int, calls: int) -> tupl
             return list(answer)
 
     batch = VettedKeys.unchecked(keys, limit)
-    real, stub = kv._store, Stub()
+    real, stub = kv._session.store, Stub()
     clock = time.perf_counter
     hot: list[float] = []
     cold: list[float] = []
     try:
-        kv._store = stub
+        kv._session.store = stub
         for _ in range(calls):
             start = clock()
             kv.exists(batch)
@@ -141,7 +141,7 @@ def own_work(kv: Any, raw: Any, keys: list[str], limit: int, calls: int) -> tupl
             kv.exists(batch)
             cold.append(clock() - start)
     finally:
-        kv._store = real
+        kv._session.store = real
     return statistics.median(hot), statistics.median(cold)
 
 

@@ -1,21 +1,24 @@
-"""Batched put/get/exists throughput: kvconn's Redis backend vs redis-py vs redis-benchmark.
+"""Batched put/get/exists: kvconn's Redis backend against plain redis-py doing the same work.
 
-Why three columns: ``redis-benchmark`` (C, pipelined) is the ceiling the server allows
-on this machine; raw redis-py doing the *same* batched work (SET NX pipeline, MGET plus
-the copy into caller buffers that kvconn must make, EXISTS pipeline) is what a naive
-backend would get. The ratios say how close kvconn's own RESP path comes to the former
-and how much it gains over the latter. Runs are interleaved and the best of
-``--repeats`` is kept, because a shared 2-core machine is noisy.
+kvconn's backend is redis-py plus a deadline per call, error translation, key and buffer
+checks and the copy into the caller's buffers; the question is what that costs. The
+baseline is plain redis-py with the same protocol (RESP2) doing the same batches:
+a ``SET key value NX`` pipeline, one ``MGET`` plus the copy of each value into a caller's
+buffer (which kvconn must make too), and an ``EXISTS`` pipeline. ``redis-benchmark``
+(C, pipelined, one client) runs alongside as the server's ceiling on this machine.
 
-``--cluster`` measures cluster mode instead, on a 3-node Redis Cluster from
-:mod:`kvconn.tools.devserver.redis`: kvconn's cluster backend against redis-py's
-``RedisCluster`` doing the same batches through its non-transactional pipeline (SET NX,
-GET plus the copy into caller buffers, EXISTS; one round trip per node either way) —
-what kvconn's cluster mode did before it drove the nodes with its own RESP path.
-redis-benchmark has no batched cluster mode to compare with.
+Each trial times one batch of each variant in a shuffled order (exists: ``--exists-calls``
+calls each), so a busy neighbour slows both alike; the table gives throughput at the
+median time and ``kvconn/raw`` as the median of the per-trial paired ratios with their
+25th-75th percentiles. redis-benchmark runs between trials, ``--rb-runs`` times; its
+median is shown.
 
-Usage: ``python benchmarks/bench_redis.py [--cluster] [--values-kib 256] [--batch 64]
-[--rounds 20]``
+``--cluster`` measures cluster mode on a 3-node Redis Cluster from
+:mod:`kvconn.tools.devserver.redis`, against redis-py's ``RedisCluster`` pipeline doing
+the same batches (``GET`` per key: a cluster ``MGET`` must stay in one slot).
+
+Usage: ``python benchmarks/bench_redis.py [--cluster] [--values-kib 256 16] [--batch 64]
+[--trials 40]``
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import argparse
 import csv
 import io
 import os
+import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -35,34 +40,33 @@ from kvconn.backend import Backend
 from kvconn.registry import load_backend
 from kvconn.tools.devserver.redis import RedisCluster, RedisServer
 
-Best = dict[tuple[str, str], float]  # (op, implementation) -> best ops/s
+OPS = ("put", "get", "exists")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--values-kib", type=int, default=256, help="value size in KiB (256)")
+    parser.add_argument(
+        "--values-kib", type=int, nargs="+", default=[256, 16], help="value sizes (256 16)"
+    )
     parser.add_argument("--batch", type=int, default=64, help="keys per batched call (64)")
-    parser.add_argument("--rounds", type=int, default=20, help="batches per measurement (20)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats, best kept (5)")
+    parser.add_argument("--trials", type=int, default=40, help="interleaved trials (40)")
+    parser.add_argument("--exists-calls", type=int, default=20, help="exists calls a trial (20)")
+    parser.add_argument("--rb-runs", type=int, default=5, help="redis-benchmark runs (5)")
     parser.add_argument(
         "--cluster", action="store_true", help="a 3-node Redis Cluster against redis-py's"
     )
     args = parser.parse_args(argv)
-    for name in ("values_kib", "batch", "rounds", "repeats"):
+    for name in ("batch", "trials", "exists_calls", "rb_runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.values_kib) < 1:
+        parser.error("--values-kib must be >= 1")
     return args
 
 
-def timed(fn: Callable[[int], None], rounds: int) -> float:
-    start = time.perf_counter()
-    for r in range(rounds):
-        fn(r)
-    return time.perf_counter() - start
-
-
-def redis_benchmark_argv(port: int, size: int, batch: int, requests: int) -> list[list[str]]:
+def redis_benchmark_argv(port: int, size: int, batch: int) -> list[list[str]]:
     """redis-benchmark runs shaped like kvconn's calls: one client, ``-P batch``."""
+    requests = max(batch * 20, 25 * 2**20 // size)
     base = ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-c", "1", "-P", str(batch)]
     return [
         [*base, "-n", str(requests), "-d", str(size), "-t", "set,get", "--csv"],
@@ -71,108 +75,144 @@ def redis_benchmark_argv(port: int, size: int, batch: int, requests: int) -> lis
     ]
 
 
-def redis_benchmark(port: int, size: int, batch: int, requests: int) -> dict[str, float]:
+def redis_benchmark(port: int, size: int, batch: int) -> dict[str, float]:
     """requests/s of redis-benchmark SET, GET and EXISTS."""
     out: dict[str, float] = {}
-    runs = redis_benchmark_argv(port, size, batch, requests)
-    for argv in runs:
-        text = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120).stdout
+    for argv in redis_benchmark_argv(port, size, batch):
+        text = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
         for row in csv.reader(io.StringIO(text)):
             if len(row) >= 2 and row[0] != "test":
-                name = row[0].split()[0].upper()
-                out[name] = float(row[1])
+                op = {"SET": "put", "GET": "get", "EXISTS": "exists"}.get(row[0].split()[0].upper())
+                if op:
+                    out[op] = float(row[1])
     return out
+
+
+class Trials:
+    """Per-op, per-variant times of each trial, and what to print from them."""
+
+    def __init__(self) -> None:
+        self.times: dict[tuple[str, str], list[float]] = {}
+        self.rb: dict[str, list[float]] = {}
+
+    def add(self, op: str, variant: str, seconds: float) -> None:
+        self.times.setdefault((op, variant), []).append(seconds)
+
+    def rate(self, op: str, variant: str, count: int) -> float:
+        return count / statistics.median(self.times[(op, variant)])
+
+    def ratio(self, op: str) -> tuple[float, float, float]:
+        """kvconn/raw throughput: median and p25-p75 of the per-trial paired ratios."""
+        pairs = [
+            raw / kv for kv, raw in zip(self.times[(op, "kvconn")], self.times[(op, "redis-py")])
+        ]
+        q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+        return statistics.median(pairs), q[0], q[2]
 
 
 def compare(
     args: argparse.Namespace,
+    size: int,
     kv: Backend,
     raw: Any,
     raw_values: Callable[[list[str]], list[Any]],
     flush: Callable[[], None],
-    after_repeat: Callable[[Best], None] | None = None,
-) -> Best:
-    """kvconn and redis-py doing the same batches, interleaved; best ops/s of each.
-
-    ``raw`` is a redis-py client (``Redis`` or ``RedisCluster``: both pipeline alike);
-    ``raw_values`` is its fastest way to fetch a batch of values as ``bytes``.
-    """
-    size, batch, rounds = args.values_kib * 1024, args.batch, args.rounds
+    between: Callable[[int, Trials], None],
+) -> Trials:
+    """kvconn and redis-py doing the same batches, shuffled within each trial."""
+    batch = args.batch
     values = [os.urandom(size) for _ in range(batch)]
     buffers = [bytearray(size) for _ in range(batch)]
+    fixed = [f"bench/read/{i:04d}/page-0123456789abcdef" for i in range(batch)]
+    trials = Trials()
 
-    def keys(tag: str, r: int) -> list[str]:
-        return [f"bench/{tag}/{r}/{i:04d}/page-0123456789abcdef" for i in range(batch)]
+    def keys(tag: str) -> list[str]:
+        return [f"bench/{tag}/{i:04d}/page-0123456789abcdef" for i in range(batch)]
 
-    def kv_put(tag: str) -> Callable[[int], None]:
-        def run(r: int) -> None:
-            ok = kv.put(keys(tag, r), values)
-            assert all(ok)
+    def kv_put(tag: str) -> None:
+        assert all(kv.put(keys(tag), values))
 
-        return run
+    def raw_put(tag: str) -> None:
+        pipe = raw.pipeline(transaction=False)
+        for key, value in zip(keys(tag), values):
+            pipe.set(key, value, nx=True)
+        pipe.execute()
 
-    def raw_put(tag: str) -> Callable[[int], None]:
-        def run(r: int) -> None:
-            pipe = raw.pipeline(transaction=False)
-            for key, value in zip(keys(tag, r), values):
-                pipe.set(key, value, nx=True)
-            pipe.execute()
-
-        return run
-
-    fixed = keys("read", 0)
-
-    def kv_get(_r: int) -> None:
+    def kv_get() -> None:
         assert all(kv.get(fixed, buffers))
 
-    def raw_get(_r: int) -> None:
+    def raw_get() -> None:
         for value, buf in zip(raw_values(fixed), buffers):
             assert isinstance(value, bytes) and len(value) == len(buf)
-            buf[:] = value  # the copy kvconn must make too
+            buf[:] = value  # the copy kvconn makes too
 
-    def kv_exists(_r: int) -> None:
-        assert all(kv.exists(fixed))
+    def kv_exists() -> None:
+        for _ in range(args.exists_calls):
+            assert all(kv.exists(fixed))
 
-    def raw_exists(_r: int) -> None:
-        pipe = raw.pipeline(transaction=False)
-        for key in fixed:
-            pipe.exists(key)
-        assert all(pipe.execute())
+    def raw_exists() -> None:
+        for _ in range(args.exists_calls):
+            pipe = raw.pipeline(transaction=False)
+            for key in fixed:
+                pipe.exists(key)
+            assert all(pipe.execute())
 
-    best: Best = {}
-
-    def keep(op: str, impl: str, ops_per_s: float) -> None:
-        best[(op, impl)] = max(best.get((op, impl), 0.0), ops_per_s)
-
-    exists_rounds = rounds * 20  # exists moves no payload; more rounds for a stable figure
-    for rep in range(args.repeats):
-        for impl, make in (("kvconn", kv_put), ("redis-py", raw_put)):
-            keep("put", impl, rounds * batch / timed(make(f"{impl}-{rep}"), rounds))
-            flush()
+    runs: dict[tuple[str, str], Callable[[str], None]] = {
+        ("put", "kvconn"): kv_put,
+        ("put", "redis-py"): raw_put,
+        ("get", "kvconn"): lambda _tag: kv_get(),
+        ("get", "redis-py"): lambda _tag: raw_get(),
+        ("exists", "kvconn"): lambda _tag: kv_exists(),
+        ("exists", "redis-py"): lambda _tag: raw_exists(),
+    }
+    kv.put(fixed, values)
+    for warm in runs.values():  # connections open, code paths warm
+        warm("warm")
+    flush()
+    for trial in range(args.trials):
         kv.put(fixed, values)
-        for impl, get_fn, exists_fn in (
-            ("kvconn", kv_get, kv_exists),
-            ("redis-py", raw_get, raw_exists),
-        ):
-            keep("get", impl, rounds * batch / timed(get_fn, rounds))
-            keep("exists", impl, exists_rounds * batch / timed(exists_fn, exists_rounds))
-        assert bytes(buffers[-1]) == values[-1]
+        order = list(runs)
+        random.shuffle(order)
+        for op, variant in order:
+            run, tag = runs[(op, variant)], f"{variant}-{trial}"
+            start = time.perf_counter()
+            run(tag)
+            trials.add(op, variant, time.perf_counter() - start)
         flush()
-        if after_repeat is not None:
-            after_repeat(best)
-    return best
+        between(trial, trials)
+    assert bytes(buffers[-1]) == values[-1]
+    return trials
 
 
-def cell(op: str, ops: float | None, size: int) -> str:
-    """One table cell: GB/s and ops/s, or ops/s alone for exists (no payload)."""
-    if ops is None:
-        return f"{'-':>26}"
+def cell(op: str, ops_per_s: float | None, size: int) -> str:
+    """One table cell: GB/s and ops/s, or keys/s alone for exists (no payload)."""
+    if ops_per_s is None:
+        return f"{'-':>24}"
     if op == "exists":
-        return f"{ops:>15,.0f} ops/s{'':>5}"
-    return f"{ops * size / 1e9:>7.2f} GB/s {ops:>9,.0f} ops/s"
+        return f"{ops_per_s:>14,.0f} keys/s   "
+    return f"{ops_per_s * size / 1e9:>6.2f} GB/s {ops_per_s:>8,.0f}/s "
 
 
-def header(args: argparse.Namespace, server_info: Any, redis_py: str) -> str:
+def report(args: argparse.Namespace, size: int, trials: Trials, title: str) -> None:
+    print(title)
+    impls = ["kvconn", "redis-py", *(["redis-benchmark"] if trials.rb else [])]
+    print(f"{'op':<7}" + "".join(f"{name:>24}" for name in impls) + "   kvconn/raw [p25-p75]")
+    for op in OPS:
+        count = args.batch * (args.exists_calls if op == "exists" else 1)
+        rates: dict[str, float | None] = {
+            impl: trials.rate(op, impl, count) for impl in ("kvconn", "redis-py")
+        }
+        if trials.rb:
+            found = trials.rb.get(op)
+            rates["redis-benchmark"] = statistics.median(found) if found else None
+        mid, low, high = trials.ratio(op)
+        cells = "".join(cell(op, rates[impl], size) for impl in impls)
+        print(f"{op:<7}{cells}   {mid:>5.2f} [{low:.2f}-{high:.2f}]")
+
+
+def header(args: argparse.Namespace, server_info: Any, size: int) -> str:
+    import redis
+
     version = next(
         (
             line.split(":", 1)[1].strip()
@@ -181,79 +221,61 @@ def header(args: argparse.Namespace, server_info: Any, redis_py: str) -> str:
         ),
         "?",
     )
+    hiredis = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "no hiredis"
     return (
-        f"redis-server {version}, redis-py {redis_py}, {os.cpu_count()} CPUs; "
-        f"values {args.values_kib} KiB, batch {args.batch}, {args.rounds} rounds, "
-        f"best of {args.repeats}"
+        f"redis-server {version}, redis-py {redis.__version__} ({hiredis}, RESP2), "
+        f"{os.cpu_count()} CPUs; values {size // 1024} KiB, batch {args.batch}, "
+        f"{args.trials} interleaved trials ({args.exists_calls} exists calls each)"
     )
 
 
 def single(args: argparse.Namespace) -> int:
     import redis
 
-    size, batch, rounds = args.values_kib * 1024, args.batch, args.rounds
     problem = RedisServer.available()
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)
         return 2
     have_rb = shutil.which("redis-benchmark") is not None
-    requests = max(rounds * batch, 10 * batch)
-
     with RedisServer() as server:
         kv = load_backend("redis", server.options)
-        raw = redis.Redis(host="127.0.0.1", port=server.port)
+        raw = redis.Redis(host="127.0.0.1", port=server.port, protocol=2)
 
         def flush() -> None:
             server.command("FLUSHALL", "SYNC")
 
-        def with_redis_benchmark(best: Best) -> None:
-            if not have_rb:
-                return
-            rb = redis_benchmark(server.port, size, batch, requests)
-            for op, name in (("put", "SET"), ("get", "GET"), ("exists", "EXISTS")):
-                if name in rb:
-                    best[(op, "redis-benchmark")] = max(
-                        best.get((op, "redis-benchmark"), 0.0), rb[name]
-                    )
-            flush()
+        every = max(1, args.trials // args.rb_runs)
+        for size in (kib * 1024 for kib in args.values_kib):
 
-        best = compare(args, kv, raw, raw.mget, flush, with_redis_benchmark)
+            def between(trial: int, trials: Trials, size: int = size) -> None:
+                if have_rb and (trial + 1) % every == 0:
+                    for op, rate in redis_benchmark(server.port, size, args.batch).items():
+                        trials.rb.setdefault(op, []).append(rate)
+                    flush()
+
+            trials = compare(args, size, kv, raw, raw.mget, flush, between)
+            report(args, size, trials, header(args, server.command("INFO", "server"), size))
+            if have_rb:
+                for run in redis_benchmark_argv(0, size, args.batch):
+                    print("  redis-benchmark " + " ".join(run[5:]))
+            else:
+                print("  redis-benchmark: not found, its column is left out")
+            print()
         kv.close()
         raw.close()
-        info = server.command("INFO", "server")
-
-    print(header(args, info, redis.__version__))
-    if have_rb:
-        for run in redis_benchmark_argv(0, size, batch, requests):
-            print("redis-benchmark " + " ".join(run[5:]))
-    else:
-        print("redis-benchmark: not found, its column is empty")
-    impls = ["kvconn", "redis-py", "redis-benchmark"]
-    line = f"{'op':<7}" + "".join(f"{name:>26}" for name in impls)
-    print(line + f"{'kvconn/raw':>12}{'kvconn/rb':>11}")
-    for op in ("put", "get", "exists"):
-        kv_ops = best[(op, "kvconn")]
-        ratio_raw = kv_ops / best[(op, "redis-py")]
-        rb_ops = best.get((op, "redis-benchmark"))
-        ratio_rb = f"{kv_ops / rb_ops:>11.2f}" if rb_ops else f"{'-':>11}"
-        cells = "".join(cell(op, best.get((op, impl)), size) for impl in impls)
-        print(f"{op:<7}{cells}{ratio_raw:>12.2f}{ratio_rb}")
     return 0
 
 
 def cluster(args: argparse.Namespace) -> int:
-    import redis
     import redis.cluster
 
-    size = args.values_kib * 1024
     problem = RedisCluster.available()
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)
         return 2
-
     with RedisCluster(3) as servers:
         kv = load_backend("redis", servers.options)
-        raw: Any = redis.cluster.RedisCluster(host="127.0.0.1", port=servers.ports[0])
+        raw: Any = redis.cluster.RedisCluster(host="127.0.0.1", port=servers.ports[0], protocol=2)
 
         def raw_values(keys: list[str]) -> list[Any]:
             pipe = raw.pipeline(transaction=False)
@@ -265,18 +287,13 @@ def cluster(args: argparse.Namespace) -> int:
             for node in servers.nodes:
                 node.command("FLUSHALL", "SYNC")
 
-        best = compare(args, kv, raw, raw_values, flush)
+        for size in (kib * 1024 for kib in args.values_kib):
+            trials = compare(args, size, kv, raw, raw_values, flush, lambda _t, _trials: None)
+            info = servers.nodes[0].command("INFO", "server")
+            report(args, size, trials, header(args, info, size) + "; a 3-node cluster")
+            print()
         kv.close()
         raw.close()
-        info = servers.nodes[0].command("INFO", "server")
-
-    print(header(args, info, redis.__version__) + f"; a {len(servers.nodes)}-node cluster")
-    impls = ["kvconn", "redis-py"]
-    print(f"{'op':<7}" + "".join(f"{name + ' cluster':>26}" for name in impls) + "  kvconn/raw")
-    for op in ("put", "get", "exists"):
-        ratio = best[(op, "kvconn")] / best[(op, "redis-py")]
-        cells = "".join(cell(op, best.get((op, impl)), size) for impl in impls)
-        print(f"{op:<7}{cells}{ratio:>12.2f}")
     return 0
 
 

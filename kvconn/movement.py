@@ -74,9 +74,6 @@ def compile_runs(regions: Sequence[Region]) -> tuple[Run, ...]:
     return tuple(runs)
 
 
-#: Bytes per slot of a run above which scatter loops over slots (see ``scatter``).
-_LOOP_BYTES = 131072
-
 _WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -119,6 +116,10 @@ class PageMover:
                     words.storage_offset() + run.base // width,
                 )
             )
+        #: numpy views of the same memory, for scatter on the CPU (see ``scatter``).
+        self._host_views = (
+            [view.numpy() for view in self._views] if self.device.type == "cpu" else None
+        )
 
     def _page_bytes(self, pages: torch.Tensor, i: int) -> torch.Tensor:
         run = self.runs[i]
@@ -159,22 +160,17 @@ class PageMover:
         """Write ``pages`` (``[len(slots), page_size]``) into the pool slots ``slots``."""
         if pages.device != self.device:
             pages = pages.to(self.device, non_blocking=True)
-        per_slot = None
+        host_slots = slots.numpy() if self._host_views is not None else None
         for i, view in enumerate(self._views):
             words = self._as_words(self._page_bytes(pages, i), i, writable=False)
             assert words is not None
-            if self.runs[i].nbytes >= _LOOP_BYTES:
-                # Large pieces: one plain strided copy per slot beats index_copy_'s
-                # element-wise kernel, and the Python overhead per slot is negligible.
-                per_slot = slots.tolist() if per_slot is None else per_slot
-                for j, slot in enumerate(per_slot):
-                    view[slot].copy_(words[j])
+            if self._host_views is not None:
+                # On the CPU, torch's index_copy_ moves element by element (0.6-0.7x a
+                # plain copy here); numpy's indexed assignment copies each slot's piece
+                # as a block (0.9-1.05x), at every page size (bench_movement.py).
+                self._host_views[i][host_slots] = words.numpy()
             else:
                 view.index_copy_(0, slots, words)
-
-
-def _dtype(width: int) -> torch.dtype:
-    return dict(_WIDTHS)[width]
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+command -v redis-cli >/dev/null || missing+=(redis-tools)  # redis-cli --cluster create
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then missing+=(libibverbs1); fi
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing system packages: ${missing[*]}"

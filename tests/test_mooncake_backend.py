@@ -8,8 +8,13 @@ skips locally and fails in CI (``require_or_skip``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -121,13 +126,13 @@ class _CountingStore:
 
 
 def _count_calls(backend: Any) -> _CountingStore:
-    counting = _CountingStore(backend._store)
-    backend._store = counting
+    counting = _CountingStore(backend._session.store)
+    backend._session.store = counting
     return counting
 
 
 def _uncount(backend: Any, counting: _CountingStore) -> None:
-    backend._store = counting._store
+    backend._session.store = counting._store
 
 
 @pytest.fixture
@@ -254,7 +259,7 @@ def test_a_put_another_writer_has_in_flight_reads_as_a_miss_never_as_torn_bytes(
     backend: Any, prefix: str
 ) -> None:
     key = f"{prefix}/in-flight"
-    raw = backend._store
+    raw = backend._session.store
     assert raw.batch_put_session_start([key], [4096]) == [0]  # reserved, bytes not yet sent
     try:
         buf = bytearray(b"\x22" * 4096)
@@ -313,31 +318,31 @@ class _ScriptedExists:
 def test_a_negative_exists_code_raises_naming_it_and_never_reads_as_a_miss(
     backend: Any, answers: list[int]
 ) -> None:
-    real = backend._store
-    backend._store = _ScriptedExists(real, answers)
+    real = backend._session.store
+    backend._session.store = _ScriptedExists(real, answers)
     try:
         worst = str(min(answers))
         with pytest.raises(BackendError, match=f"exists failed with {worst} "):
             backend.exists(["k/1", "k/2", "k/3"])
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_an_exists_answer_of_the_wrong_length_raises(backend: Any) -> None:
-    real = backend._store
-    backend._store = _ScriptedExists(real, [1, 0])
+    real = backend._session.store
+    backend._session.store = _ScriptedExists(real, [1, 0])
     try:
         with pytest.raises(BackendError, match="answered 2/3"):
             backend.exists(["k/1", "k/2", "k/3"])
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_exists_asks_once_more_after_a_lost_master_and_then_reports_it_unavailable(
     backend: Any,
 ) -> None:
-    real = backend._store
-    scripted = backend._store = _ScriptedExists(real, [-900, -900])
+    real = backend._session.store
+    scripted = backend._session.store = _ScriptedExists(real, [-900, -900])
     try:
         with pytest.raises(BackendUnavailable, match="-900"):
             backend.exists(["k/1", "k/2"])
@@ -345,7 +350,7 @@ def test_exists_asks_once_more_after_a_lost_master_and_then_reports_it_unavailab
         scripted.answers = [1, 0]
         assert backend.exists(["k/1", "k/2"]) == [True, False]
     finally:
-        backend._store = real
+        backend._session.store = real
 
 
 def test_exists_answers_any_mix_of_hits_and_misses_per_key(backend: Any, prefix: str) -> None:
@@ -580,7 +585,7 @@ def test_a_client_that_mounts_memory_serves_its_pages_to_others_with_the_shared_
         host = _open(_options(bare, global_segment_size=32 * MiB))
         reader = _open(_options(bare))
         try:
-            assert host._reader is not None  # fail-over on: the client shares our engine
+            assert host._session.reader is not None  # fail-over on: the client shares an engine
             keys = [f"embedded/{i}" for i in range(8)]
             values = [_value(i, 64 * 1024) for i in range(8)]
             assert host.put(keys, values) == [True] * 8
@@ -615,7 +620,7 @@ def test_the_connector_registers_its_staging_once_and_moves_pages_without_copies
         assert conn.lookup(hashes).blocks == 4
         result = conn.load(hashes, [4, 5, 6, 7])
         assert result.ok and result.loaded == 4
-        assert len(backend._registry) == 1  # the staging buffer, registered once
+        assert len(backend._session.memory.registry) == 1  # the staging buffer, registered once
         assert backend.counters["put_scratch"] == backend.counters["get_scratch"] == 0
         # every page, plus one layout manifest per page kind, went out without a copy
         assert backend.counters["put_zero_copy"] == saved.written + len(conn.plans)
@@ -737,6 +742,7 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
         "probe_timeout_s": 0.5,
         "scratch_bytes": MiB,
         "read_env": True,
+        "read_failover": True,
     }
     env = {
         "MOONCAKE_MASTER": "env:1",
@@ -744,17 +750,86 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
         "MOONCAKE_GLOBAL_SEGMENT_SIZE": "3.125gb",
         "MOONCAKE_DEVICE": "mlx5_0",
     }
-    config = make_config({"master_address": "opt:2"}, environ=env, **knobs)
+    config = make_config({"master_address": "opt:2", **knobs}, environ=env)
     assert (config.master_address, config.protocol) == ("opt:2", "rdma")
     assert config.global_segment_size == 3355443200 and config.device_name == "mlx5_0"
     assert config.metadata_server == "P2PHANDSHAKE" and config.sources["metadata_server"] == (
         "default"
     )
-    config = make_config({"device_name": ["mlx5_0", "mlx5_1"]}, environ=env, **knobs)
+    config = make_config({"device_name": ["mlx5_0", "mlx5_1"], **knobs}, environ=env)
     assert config.device_name == "mlx5_0,mlx5_1"
     assert config.master_host_port == ("env", 1)
-    etcd = make_config({"master_address": "etcd://a:1;b:2"}, environ={}, **knobs)
+    etcd = make_config({"master_address": "etcd://a:1;b:2", **knobs}, environ={})
     assert etcd.master_host_port is None  # no TCP probe for a master with HA
+
+
+# ---------------------------------------------------------------- logging
+#: A client's whole life: set-up, a put and a get, close. Prints MC_LOG_LEVEL as the
+#: process sees it afterwards, to show that kvconn's default was not left behind.
+_CLIENT_LIFE = """
+import json, os, sys
+from kvconn.registry import load_backend
+backend = load_backend("mooncake", json.loads(sys.argv[1]))
+assert backend.put(["logging/k"], [b"x" * 4096]) == [True]
+buffer = bytearray(4096)
+assert backend.get(["logging/k"], [buffer]) == [True] and buffer == b"x" * 4096
+backend.close()
+print(os.environ.get("MC_LOG_LEVEL"))
+"""
+_GLOG_LINE = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.MULTILINE)
+
+
+def _client_life(cluster: MooncakeCluster, log_level: str | None) -> tuple[str, Counter[str]]:
+    """Run :data:`_CLIENT_LIFE` in a fresh process; its stdout and glog lines by level."""
+    env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    if log_level is not None:
+        env["MC_LOG_LEVEL"] = log_level
+    run = subprocess.run(
+        [sys.executable, "-c", _CLIENT_LIFE, json.dumps(_options(cluster))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout + run.stderr, Counter(_GLOG_LINE.findall(run.stderr))
+
+
+def test_a_backend_writes_no_mooncake_info_lines_to_stderr_by_default(
+    cluster: MooncakeCluster,
+) -> None:
+    output, levels = _client_life(cluster, None)
+    assert levels["I"] == 0, output
+    assert output.startswith("None\n")  # the process's environment is as it was
+
+
+@pytest.mark.parametrize(
+    ("log_level", "shown"), [("INFO", "IWE"), ("ERROR", "E")], ids=["info", "error"]
+)
+def test_an_mc_log_level_the_user_set_wins_over_the_quiet_default(
+    cluster: MooncakeCluster, log_level: str, shown: str
+) -> None:
+    output, levels = _client_life(cluster, log_level)
+    assert {level for level, n in levels.items() if n} == set(shown), output
+    assert output.startswith(f"{log_level}\n")
+
+
+def test_an_mc_log_level_mooncake_does_not_know_is_named_in_a_warning(
+    cluster: MooncakeCluster,
+) -> None:
+    output, levels = _client_life(cluster, "warning")  # Mooncake wants capitals
+    assert "MC_LOG_LEVEL='warning' is not a level Mooncake knows" in output
+    assert levels["I"] > 0  # as the warning says: Mooncake logs at INFO then
+
+
+def test_every_option_of_the_backend_is_documented_in_docs_backends_md() -> None:
+    from kvconn_mooncake import MooncakeBackend
+
+    text = (Path(__file__).parents[1] / "docs" / "backends.md").read_text(encoding="utf-8")
+    section = text.split("## `mooncake`", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)`", section, re.MULTILINE))
+    options = set(inspect.signature(MooncakeBackend.__init__).parameters) - {"self"}
+    assert documented == options
 
 
 def _client_problem() -> str | None:

@@ -113,6 +113,17 @@ class MooncakeConfig:
             return None
         return match.group(1).strip("[]"), int(match.group(2))
 
+    def replicate_config(self, mc: Any) -> Any:
+        """Mooncake's ``ReplicateConfig`` for puts (``mc``: the ``mooncake.store`` module)."""
+        config = mc.ReplicateConfig()
+        config.replica_num = self.replica_num
+        if self.soft_pin:
+            if hasattr(config, "soft_pin_action"):  # 0.3.13 and later
+                config.soft_pin_action = mc.SoftPinAction.ENABLE
+            else:  # earlier releases
+                config.with_soft_pin = True
+        return config
+
     def setup_args(self) -> tuple[str, str, int, int, str, str, str]:
         """Positional arguments of ``MooncakeDistributedStore.setup`` (0.3.x signature)."""
         return (
@@ -205,6 +216,13 @@ def _check_devices(value: object, source: str) -> str:
     return _check_text("device_name", value, source, allow_empty=True)
 
 
+def _option_bool(options: Mapping[str, object], name: str) -> bool:
+    value = options[name]
+    if not isinstance(value, bool):
+        raise ConfigError(f"mooncake: option {name!r} must be a bool, got {value!r}")
+    return value
+
+
 def _read_json(path: str, env_var: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -240,20 +258,15 @@ def mooncake_settings(environ: Mapping[str, str]) -> dict[str, tuple[object, str
 
 
 def make_config(
-    options: Mapping[str, object],
-    *,
-    replica_num: object,
-    soft_pin: object,
-    setup_retries: object,
-    probe_timeout_s: object,
-    scratch_bytes: object,
-    read_env: object,
-    read_failover: object = True,
-    environ: Mapping[str, str] | None = None,
+    options: Mapping[str, object], *, environ: Mapping[str, str] | None = None
 ) -> MooncakeConfig:
-    """Merge explicit ``options`` (None = not given) with Mooncake's settings; check all."""
-    if not isinstance(read_env, bool):
-        raise ConfigError(f"mooncake: option 'read_env' must be a bool, got {read_env!r}")
+    """Merge the backend's options with Mooncake's settings and check every value.
+
+    ``options`` holds every argument of ``MooncakeBackend`` by name. A Mooncake setting
+    (a key of :data:`JSON_KEYS`) that is None or absent was not given: it comes from
+    the file, the environment or :data:`DEFAULTS`, in that order.
+    """
+    read_env = _option_bool(options, "read_env")
     env = os.environ if environ is None else environ
     found = mooncake_settings(env) if read_env else {}
     merged: dict[str, tuple[object, str]] = {}
@@ -270,24 +283,21 @@ def make_config(
             "mooncake: option 'master_address' is required (the master's host:port), or set "
             f"MOONCAKE_MASTER or {CONFIG_PATH_ENV} as for Mooncake's own integrations"
         )
+    master = _check_master(*merged["master_address"])
+    metadata = _check_text("metadata_server", *merged["metadata_server"])
+    protocol = _check_protocol(*merged["protocol"])
+    devices = _check_devices(*merged["device_name"])
+    hostname = _check_text("local_hostname", *merged["local_hostname"])
+    segment = _check_size("global_segment_size", *merged["global_segment_size"])
+    local = _check_size("local_buffer_size", *merged["local_buffer_size"])
 
-    def value(name: str) -> tuple[object, str]:
-        return merged[name]
-
-    master = _check_master(*value("master_address"))
-    metadata = _check_text("metadata_server", *value("metadata_server"))
-    protocol = _check_protocol(*value("protocol"))
-    devices = _check_devices(*value("device_name"))
-    hostname = _check_text("local_hostname", *value("local_hostname"))
-    segment = _check_size("global_segment_size", *value("global_segment_size"))
-    local = _check_size("local_buffer_size", *value("local_buffer_size"))
-
+    replica_num = options["replica_num"]
+    setup_retries = options["setup_retries"]
+    probe_timeout_s = options["probe_timeout_s"]
     if isinstance(replica_num, bool) or not isinstance(replica_num, int) or replica_num < 1:
         raise ConfigError(
             f"mooncake: option 'replica_num' must be an int >= 1, got {replica_num!r}"
         )
-    if not isinstance(soft_pin, bool):
-        raise ConfigError(f"mooncake: option 'soft_pin' must be a bool, got {soft_pin!r}")
     if setup_retries is not None and (
         isinstance(setup_retries, bool) or not isinstance(setup_retries, int) or setup_retries < 1
     ):
@@ -303,11 +313,11 @@ def make_config(
         raise ConfigError(
             f"mooncake: option 'probe_timeout_s' must be a number > 0, got {probe_timeout_s!r}"
         )
-    if not isinstance(read_failover, bool):
-        raise ConfigError(f"mooncake: option 'read_failover' must be a bool, got {read_failover!r}")
-    scratch = parse_size(scratch_bytes, "option 'scratch_bytes'")
+    scratch = parse_size(options["scratch_bytes"], "option 'scratch_bytes'")
     if scratch < 1:
-        raise ConfigError(f"mooncake: option 'scratch_bytes' must be > 0, got {scratch_bytes!r}")
+        raise ConfigError(
+            f"mooncake: option 'scratch_bytes' must be > 0, got {options['scratch_bytes']!r}"
+        )
     return MooncakeConfig(
         master_address=master,
         metadata_server=metadata,
@@ -317,10 +327,10 @@ def make_config(
         global_segment_size=segment,
         local_buffer_size=local,
         replica_num=replica_num,
-        soft_pin=soft_pin,
+        soft_pin=_option_bool(options, "soft_pin"),
         setup_retries=setup_retries,
         probe_timeout_s=float(probe_timeout_s),
         scratch_bytes=scratch,
-        read_failover=read_failover,
+        read_failover=_option_bool(options, "read_failover"),
         sources={name: source for name, (_, source) in merged.items()},
     )

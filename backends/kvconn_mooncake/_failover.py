@@ -12,7 +12,12 @@ lease, so the object cannot be evicted or removed meanwhile) say where every cop
 With the transfer engine the client was set up with, :class:`ReplicaReader` reads a
 failed key from another copy, remembers which endpoints failed, and lets the backend
 send later reads of keys with a copy there straight to a live copy, without paying the
-timeout again.
+timeout again. Keys whose only copy is gone read False: a failed load that the engine
+recomputes.
+
+Puts the master places on the dead segment fail the same way (``-800``, the key stays
+absent); :meth:`Failover.reroute_puts` puts them once more, preferring the segments
+that took the batch's other keys.
 """
 
 from __future__ import annotations
@@ -22,8 +27,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, cast
+
+from kvconn.errors import BackendError
+from kvconn_mooncake import _codes as codes
+
+if TYPE_CHECKING:  # _transfer uses this module: only its types are needed here
+    from kvconn_mooncake._transfer import Pending, Transfers
 
 log = logging.getLogger(__name__)
 
@@ -188,3 +199,133 @@ class ReplicaReader:
             return int(self.engine.batch_transfer_sync_read(endpoint, locals_, peers, sizes))
         except Exception as exc:  # a binding error is a failed transfer, not a crash
             return repr(exc)
+
+
+class Failover:
+    """The backend's reads from live replicas and puts rerouted to live segments."""
+
+    def __init__(self, transfers: Transfers) -> None:
+        self._transfers = transfers
+        self._session = transfers.session
+        self._counters = transfers.counters
+        #: Segments puts landed on lately, and until when to trust that; see _live_segments.
+        self._live: tuple[list[str], float] = ([], 0.0)
+
+    def read_described(
+        self,
+        store: Any,
+        reader: ReplicaReader,
+        reads: list[Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
+    ) -> None:
+        """Reads whose transfer failed unchecked: ask where copies are, read a live one."""
+        stored = self._transfers.describe(store, [r.key for r in reads])
+        retry: list[Pending] = []
+        for read in reads:
+            found = stored.get(read.key)
+            if found is None:
+                self._counters["get_miss"] += read.wanted
+            elif found.size != buffers[read.target].nbytes:
+                self._counters["get_wrong_size"] += read.wanted
+            elif len(found.copies) > 1:
+                retry.append(replace(read, stored=found))
+            else:
+                reader.mark_failed(c.endpoint for c in found.copies)
+                self._counters["get_failed"] += read.wanted
+        if retry:
+            self.read_from_replicas(reader, retry, buffers, ok)
+
+    def read_from_replicas(
+        self,
+        reader: ReplicaReader,
+        reads: list[Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
+    ) -> None:
+        """Read keys from explicit replicas, skipping endpoints whose transfers failed.
+
+        Every read here has been described (``stored`` is set): copies are only known so.
+        """
+        transfers = self._transfers
+        for round_, round_reads in transfers.rounds(reads, buffers):
+            described = [cast("Stored", r.stored) for r in round_reads]
+            with transfers.memory.addresses(round_) as (addresses, area):
+                done = reader.read(
+                    [
+                        Read(r.key, address, d.size, d.copies)
+                        for r, d, address in zip(round_reads, described, addresses)
+                    ]
+                )
+                for n, (read, success) in enumerate(zip(round_reads, done)):
+                    if success:
+                        transfers.finish(read, buffers, ok, area, round_.offsets[n], failover=True)
+                    else:
+                        self._counters["get_failed"] += read.wanted
+                        log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
+
+    def reroute_puts(
+        self,
+        store: Any,
+        keys: list[str],
+        addresses: list[int],
+        sizes: list[int],
+        results: list[int],
+    ) -> list[int]:
+        """Put again the keys whose copy was placed on a dead storage process.
+
+        Until the master drops a dead process's segment (``client_ttl``) it keeps placing
+        new objects there; their transfer fails (``-800``) and the key stays absent.
+        The segments that took this batch's other keys (or, when none landed, a recent
+        batch's) are alive, so the failed keys are put once more preferring those
+        (``preferred_segments``, a hint: a wrong guess only means a random placement
+        again). Measured with one of two storage processes killed: about half a batch
+        failed, every retried key was stored. With ``replica_num`` 2 and two segments
+        every put needs the dead one: nothing lands, and nothing is retried.
+        """
+        session = self._session
+        config = session.config.replicate_config(session.mc)
+        if not hasattr(config, "preferred_segments"):
+            return results
+        live = self._live_segments(store, [k for k, c in zip(keys, results) if c in codes.PRESENT])
+        if not live:
+            return results
+        config.preferred_segments = live
+        retry = [i for i, code in enumerate(results) if code == codes.TRANSFER_FAIL]
+        again = session.codes(
+            "put",
+            store.batch_put_from,
+            [keys[i] for i in retry],
+            [addresses[i] for i in retry],
+            [sizes[i] for i in retry],
+            config,
+        )
+        results = list(results)
+        for i, code in zip(retry, again):
+            results[i] = code
+        self._counters["put_rerouted"] += sum(1 for code in again if code in codes.PRESENT)
+        return results
+
+    def _live_segments(self, store: Any, landed: list[str]) -> list[str]:
+        """Segments that just took a put: where the replicas of ``landed`` keys lie.
+
+        Remembered for a while (``AVOID_S``), so a batch none of whose keys landed can
+        use the last answer. Endpoints a read found dead are left out (a key that was
+        already stored, answered as landed, may have its copy on the dead one). Asking
+        fails softly: the put it serves has partly succeeded already.
+        """
+        now = time.monotonic()
+        live: list[str] = []
+        if landed:
+            try:
+                stored = self._transfers.describe(store, landed[:8])
+            except BackendError:
+                stored = {}
+            live = sorted({c.endpoint for found in stored.values() for c in found.copies})
+            if live:
+                self._live = (live, now + AVOID_S)
+        if not live and self._live[1] > now:
+            live = self._live[0]
+        reader = self._session.reader
+        avoid = reader.failed_endpoints() if reader is not None else set()
+        return [endpoint for endpoint in live if endpoint not in avoid]

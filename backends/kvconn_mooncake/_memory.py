@@ -8,18 +8,38 @@ it may go straight to the store. Everything else (``bytes``, a caller's own
 ``bytearray``) goes through :class:`Scratch`, one registered area owned by the backend:
 one extra ``memcpy``, but still the zero-copy transfer with per-key result codes, which
 Mooncake's copying ``put_batch`` (one code for the whole batch) cannot give.
+:class:`Memory` keeps both registered with the client across its restarts and splits
+each batch into :class:`Round` s that fit the scratch area.
+
+Measured (``docs/notes/mooncake-api.md``): unregistering while the metadata server is
+down fails yet leaves the range registered for good, wedging every later registration
+that overlaps it (freed memory is soon reused). Unregistration is therefore deferred
+until the metadata server answers (checked by a TCP probe), and refused registrations
+are retried every few seconds; meanwhile that memory moves through the scratch area.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import logging
 import mmap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 from kvconn.backend import buffer_address
 from kvconn.errors import BackendError
+from kvconn_mooncake import _codes as codes
+
+log = logging.getLogger(__name__)
+
+#: How often refused registrations and deferred unregisters are tried again.
+RETRY_INTERVAL_S = 5.0
 
 
 def address_of(view: memoryview) -> int | None:
@@ -183,3 +203,209 @@ def _map_address(area: mmap.mmap) -> int:
         return buffer_address(view)
     finally:
         view.release()
+
+
+class Client(Protocol):
+    """What :class:`Memory` reads of the client's session (:class:`~._session.Session`)."""
+
+    #: The set-up client, None before set-up.
+    store: Any
+    #: The master stopped answering; its metadata server (usually the same process) may too.
+    down: bool
+
+    @property
+    def closed(self) -> bool: ...
+
+    def metadata_reachable(self) -> bool: ...
+
+
+@dataclass
+class Round:
+    """One client call's share of a batch: item indices and where each item's bytes are."""
+
+    items: list[int] = field(default_factory=list)
+    direct: list[int] = field(default_factory=list)  # address, for registered memory
+    offsets: list[int] = field(default_factory=list)  # scratch offset, or -1 when direct
+    scratch: int = 0  # scratch bytes the round needs
+
+
+class Memory:
+    """The ranges registered with the client, the scratch area, and deferred unregisters.
+
+    Ranges outlive clients: one registered before set-up, or refused, is registered
+    when a client is attached (:meth:`attach`) or at the next :meth:`mend`.
+    """
+
+    def __init__(self, client: Client, counters: Counter[str], scratch_bytes: int) -> None:
+        self.lock = threading.RLock()
+        self.registry = Registry()
+        #: Ranges to unregister once the metadata server answers (start -> end), see
+        #: :meth:`unregister_range`.
+        self.stale: dict[int, int] = {}
+        self._client = client
+        self._counters = counters
+        self._scratch_bytes = scratch_bytes
+        self._retry_at = 0.0
+        self._scratch = Scratch(self._register_range, self.unregister_range)
+
+    # ------------------------------------------------------------------ ranges
+    def add(self, view: memoryview) -> None:
+        """Remember ``view`` and register it if a client is set up (else at set-up)."""
+        start = address_of(view)
+        assert start is not None
+        with self.lock:
+            entry = self.registry.add(view, start)
+            store = self._client.store
+            if store is not None:
+                self._register_entry(store, entry)
+
+    def remove(self, view: memoryview) -> None:
+        start = address_of(view)
+        assert start is not None
+        with self.lock:
+            entry = self.registry.remove(start)
+            if entry is not None and entry.mooncake:
+                self.unregister_range(start, entry.end - start)
+
+    def attach(self, store: Any) -> None:
+        """Register every remembered range with a newly set-up client."""
+        with self.lock:
+            for entry in self.registry.entries():
+                self._register_entry(store, entry)
+
+    def forget(self) -> None:
+        """Drop every range and the scratch area: closing the client unregisters them."""
+        with self.lock:
+            self._scratch.release()
+            for entry in self.registry.entries():
+                self.registry.remove(entry.start)
+            self.stale.clear()
+
+    def mend(self, store: Any) -> None:
+        """Finish deferred unregisters and retry refused registrations (every few s)."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        self._retry_at = now + RETRY_INTERVAL_S
+        with self.lock:
+            self._drop_stale(store)
+            for entry in self.registry.failed():
+                self._register_entry(store, entry)
+
+    def _register_entry(self, store: Any, entry: _Range) -> None:
+        self.registry.mark(entry, self._register_with(store, entry.start, entry.end - entry.start))
+
+    def _register_with(self, store: Any, start: int, nbytes: int) -> bool:
+        """Register with the client, first dropping stale ranges the new one overlaps."""
+        self._drop_stale(store, start, start + nbytes)
+        try:
+            code = store.register_buffer(start, nbytes)
+        except Exception as exc:
+            code = codes.INTERNAL_ERROR
+            log.debug("register_buffer raised %r", exc)
+        if code != 0:
+            self._counters["register_refused"] += 1
+            log.warning(
+                "kvconn: mooncake refused to register %d bytes at %#x (%s); transfers from "
+                "that memory are copied through scratch memory until it accepts",
+                nbytes,
+                start,
+                codes.describe(code),
+            )
+        return bool(code == 0)
+
+    def _register_range(self, start: int, nbytes: int) -> bool:
+        store = self._client.store
+        return store is not None and self._register_with(store, start, nbytes)
+
+    def unregister_range(self, start: int, nbytes: int) -> None:
+        """Unregister now, or remember the range to unregister when that is safe.
+
+        Measured: an ``unregister_buffer`` while the metadata server is unreachable
+        fails (``-600``) yet leaves the range registered inside the transfer engine for
+        good, and every later registration that overlaps it fails too. Freed memory is
+        soon reused (the connector's next staging buffer, our scratch area), so that
+        would end zero-copy for the life of the process. A range whose memory is gone
+        but which is still registered is harmless as long as nothing transfers from it,
+        so unregistering is deferred until the metadata server answers.
+        """
+        client = self._client
+        store = client.store
+        if store is None or client.closed:
+            return  # closing the client drops every registration at once
+        if client.down or not client.metadata_reachable():
+            self.stale[start] = start + nbytes
+            return
+        try:
+            code = store.unregister_buffer(start)
+        except Exception as exc:
+            code = codes.INTERNAL_ERROR
+            log.debug("unregister_buffer raised %r", exc)
+        if code != 0:
+            self.stale[start] = start + nbytes
+            log.warning(
+                "kvconn: mooncake could not unregister %d bytes at %#x (%s)",
+                nbytes,
+                start,
+                codes.describe(code),
+            )
+
+    def _drop_stale(self, store: Any, start: int = 0, end: int = 1 << 64) -> None:
+        """Unregister deferred ranges overlapping ``[start, end)`` if now possible."""
+        overlapping = [s for s, e in self.stale.items() if s < end and start < e]
+        if not overlapping or not self._client.metadata_reachable():
+            return
+        for stale in overlapping:
+            try:
+                code = store.unregister_buffer(stale)
+            except Exception:
+                code = codes.INTERNAL_ERROR
+            if code == 0:
+                del self.stale[stale]
+
+    # ------------------------------------------------------------------ batches
+    def plan(self, views: Sequence[memoryview]) -> list[Round]:
+        """Split transfers into rounds that each fit the scratch area.
+
+        A view inside a registered range moves by its own address (zero copy); any other
+        takes room in the scratch area, at most ``scratch_bytes`` per round (a larger
+        single view gets a round of its own).
+        """
+        with self.lock:
+            located = self.registry.locate(views)
+        if views and None not in located:  # all in registered memory: the connector's case
+            n = len(views)
+            return [Round(list(range(n)), cast("list[int]", located), [-1] * n)]
+        rounds: list[Round] = []
+        current = Round()
+        for i, (view, address) in enumerate(zip(views, located)):
+            need = 0 if address is not None else view.nbytes
+            if current.items and need and current.scratch + need > self._scratch_bytes:
+                rounds.append(current)
+                current = Round()
+            current.items.append(i)
+            if address is None:
+                current.offsets.append(current.scratch)
+                current.scratch += need
+                current.direct.append(0)
+            else:
+                current.offsets.append(-1)
+                current.direct.append(address)
+        if current.items:
+            rounds.append(current)
+        return rounds
+
+    @contextlib.contextmanager
+    def addresses(self, round_: Round) -> Iterator[tuple[list[int], memoryview | None]]:
+        """The round's addresses, and the scratch area (held) when the round uses it."""
+        if not round_.scratch:
+            yield round_.direct, None
+            return
+        with self.lock:
+            area = self._scratch.take(round_.scratch)
+            base = self._scratch.address
+            addresses = [
+                base + offset if offset >= 0 else address
+                for offset, address in zip(round_.offsets, round_.direct)
+            ]
+            yield addresses, area

@@ -6,13 +6,23 @@ content-addressed keys make "first writer wins" the right rule — and an option
 (``ttl_s``) lets a shared deployment bound how long pages live, on top of whatever
 ``maxmemory-policy`` evicts.
 
-Every batched call is one round trip per server. A small built-in RESP client
-(:mod:`kvconn_redis._resp`) sends values from the caller's memory and receives them
-straight into the caller's buffers, after checking each value's size. A cluster uses the
-same client once per primary (:mod:`kvconn_redis._cluster`): keys are routed by slot from
-the map ``CLUSTER SLOTS`` gives, every node's share is sent before any reply is read so
-the nodes work at the same time, and ``MOVED``/``ASK`` redirections are followed. No
-third-party client is involved in either mode.
+The wire is redis-py's (with hiredis when installed): pooled connections, TLS, ACL
+users, Unix sockets, and Redis Cluster with its slot routing and ``MOVED``/``ASK``
+redirections. Each batch is one pipeline — one round trip per server, or per node of a
+cluster with every node's share sent before any reply is read (:mod:`kvconn_redis._client`).
+What kvconn adds around it:
+
+* one deadline for the *whole* call (``timeout_s``), enforced on every socket read and
+  write, connect and pool wait (:mod:`kvconn_redis._deadline`): a server that trickles
+  its replies cannot stall the serving loop past it;
+* errors sorted into kvconn's kinds (:mod:`kvconn_redis._errors`): unreachable, timed
+  out or resharding is :class:`~kvconn.errors.BackendUnavailable` (served as misses);
+  credentials, ACL permissions, an untrusted certificate or the wrong mode are a
+  :class:`~kvconn.errors.ConfigError` at start-up; messages never carry the password;
+* a start-up probe that the user may write and read (``SET … XX`` on an absent key,
+  which changes nothing but is checked against the ACL like the real puts);
+* values sent from the caller's buffers without a join, and each fetched value copied
+  once into the caller's buffer after its size was checked.
 
 Options (keyword arguments; ``load_backend("redis", {...})``):
 
@@ -27,9 +37,11 @@ Options (keyword arguments; ``load_backend("redis", {...})``):
 ``key_prefix``
     Prepended to every key (a namespace inside a shared Redis); default ``""``.
 ``max_connections``
-    Connections per server, shared by the threads using this backend (default 8).
+    Connections per server (per primary in a cluster), shared by the threads using this
+    backend (default 8); a call waits for a free one within its ``timeout_s``.
 ``connect_timeout_s`` / ``timeout_s``
-    Connect and per-read/write timeouts in seconds (defaults 2.0 and 5.0). Short on
+    Seconds allowed to open one connection, and for a whole call — connecting, waiting
+    for a pooled connection, sending and every reply (defaults 2.0 and 5.0). Short on
     purpose: a slow store must turn into misses quickly, not stall the serving loop.
 ``ttl_s``
     Expiry of stored pages in seconds (``PX``, millisecond resolution); default none.
@@ -44,44 +56,27 @@ Options (keyword arguments; ``load_backend("redis", {...})``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvconn.backend import Backend, Capabilities
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
+from kvconn.redaction import redact_url
 from kvconn_redis._config import DEFAULT_URL, RedisConfig, make_config
-from kvconn_redis._resp import HandshakeError
+
+if TYPE_CHECKING:
+    from kvconn_redis._client import Client
 
 __all__ = ["DEFAULT_URL", "RedisBackend"]
 
 log = logging.getLogger(__name__)
-
-
-class _Client(Protocol):
-    """What the backend needs from the single-node and the cluster client alike."""
-
-    where: str
-
-    def ping(self) -> None: ...
-
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
-
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]: ...
-
-    def delete(self, keys: Sequence[str]) -> list[bool]: ...
-
-    def scan(self, prefix: str) -> Iterator[tuple[str, int]]: ...
-
-    def close(self) -> None: ...
+T = TypeVar("T")
 
 
 class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     extra: ClassVar[str | None] = "redis"
-    # Both modes speak RESP themselves: redis-py (the ``redis`` extra) is not needed.
-    client_modules: ClassVar[tuple[str, ...]] = ()
+    client_modules: ClassVar[tuple[str, ...]] = ("redis",)
     capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True)
 
     def __init__(
@@ -102,15 +97,15 @@ class RedisBackend(Backend):
         tls_key_file: str | None = None,
         tls_verify: bool = True,
     ) -> None:
-        """Check the options, then try one connection.
+        """Check the options, then connect once and probe what the server allows.
 
-        Credentials, the database number and cluster mode can only be checked by the
-        server, so one connection is tried now (in cluster mode: reading the slot map
-        from a seed): a refusal is a :class:`ConfigError` at start-up. A server that
-        cannot be reached is *not* an error here — it may come up later,
-        and until then every call raises :class:`BackendUnavailable`, which the
-        connector serves as misses.
+        Credentials, permissions, the database number, TLS trust and cluster mode can
+        only be checked by the server, so one connection is tried now: a refusal is a
+        :class:`ConfigError` at start-up. A server that cannot be reached is *not* an
+        error here — it may come up later, and until then every call raises
+        :class:`BackendUnavailable`, which the connector serves as misses.
         """
+        self._closed = True
         self.config: RedisConfig = make_config(
             url=url,
             username=username,
@@ -127,25 +122,21 @@ class RedisBackend(Backend):
             tls_key_file=tls_key_file,
             tls_verify=tls_verify,
         )
-        self._client: _Client
-        if self.config.cluster:
-            from kvconn_redis._cluster import ClusterClient
+        # redis-py is imported only now: the class must load without it, so that a
+        # missing client library is reported with the install hint (client_modules).
+        from kvconn_redis import _client, _deadline, _errors
 
-            self._client = ClusterClient(self.config)
-        else:
-            from kvconn_redis._resp import RespClient
-
-            self._client = RespClient(self.config)
+        self._client: Client = _client.make_client(self.config)
+        self._client_errors = _client.CLIENT_ERRORS
+        self._deadline = _deadline.deadline
+        self._translate = _errors.translate
         self._closed = False
         try:
-            self._client.ping()
-        except HandshakeError as exc:
-            self._client.close()
-            raise ConfigError(f"redis: {exc}") from exc
+            self._call("connect", self._client.check_access, startup=True)
         except BackendUnavailable as exc:
             log.warning("kvconn: %s; calls will fail until it answers", exc)
         except BaseException:
-            self._client.close()
+            self.close()
             raise
 
     def __repr__(self) -> str:
@@ -157,26 +148,44 @@ class RedisBackend(Backend):
         return self.config.where
 
     def close(self) -> None:
-        if not getattr(self, "_closed", True):
+        if not self._closed:
             self._closed = True
             self._client.close()
 
-    def _live(self) -> _Client:
+    def _call(self, op: str, fn: Callable[..., T], *args: Any, startup: bool = False) -> T:
+        """Run one operation within ``timeout_s``; redis-py's errors become kvconn's."""
         if self._closed:
             raise BackendError(f"redis at {self.config.where}: the backend is closed")
-        return self._client
+        try:
+            with self._deadline(self.config.timeout_s):
+                return fn(*args)
+        except self._client_errors as exc:
+            raise self._translate(exc, self.config, op, startup=startup) from exc
+        except (BackendError, ConfigError) as exc:
+            exc.args = (redact_url(str(exc)),)
+            raise
 
     def _exists(self, keys: list[str]) -> Sequence[bool]:
-        return self._live().exists(keys)
+        return self._call("exists", self._client.exists, keys)
 
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
-        return self._live().put(keys, values)
+        return self._call("put", self._client.put, keys, values)
 
     def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        return self._live().get(keys, buffers)
+        return self._call("get", self._client.get, keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
-        return self._live().delete(keys)
+        return self._call("delete", self._client.delete, keys)
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
-        return self._live().scan(prefix)
+        """Keys under ``prefix``, a SCAN page per call (each within ``timeout_s``).
+
+        Keys outside kvconn's alphabet (written by other programs: non-ASCII, spaces,
+        binary) are skipped, never decoded into an error.
+        """
+        pages = self._call("list", self._client.scan, prefix)
+        while True:
+            page = self._call("list", next, pages, None)
+            if page is None:
+                return
+            yield from page

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import os
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote
 
 from kvconn.errors import ConfigError
+from kvconn.redaction import redact_url
 
 __all__ = ["DEFAULT_URL", "RedisConfig", "make_config"]
 
@@ -47,7 +48,7 @@ class RedisConfig:
     cluster: bool
     db: int
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)  # never in a repr, a log line or an error
     key_prefix: str
     max_connections: int
     connect_timeout_s: float
@@ -67,22 +68,19 @@ class RedisConfig:
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
         return f"{scheme}://{hosts}" + ("" if self.cluster else f"/{self.db}")
 
-    def ssl_context(self) -> ssl.SSLContext:
-        """The TLS context for ``rediss://``; certificate problems are configuration errors."""
+    def check_tls(self) -> None:
+        """Load the tls_* files once, so a bad certificate or key fails at start-up."""
         try:
             context = ssl.create_default_context(cafile=self.tls_ca_file)
-            if not self.tls_verify:
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
             if self.tls_cert_file is not None:
                 context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
         except (OSError, ssl.SSLError, ValueError) as exc:
             raise ConfigError(f"redis: cannot set up TLS from the tls_* options: {exc}") from exc
-        return context
 
 
 def _fail(option: str, problem: str) -> ConfigError:
-    return ConfigError(f"redis: option {option!r} {problem}")
+    # Problems quote the URL: its password must not travel with them.
+    return ConfigError(redact_url(f"redis: option {option!r} {problem}"))
 
 
 def _check_str(option: str, value: object, *, allow_empty: bool = False) -> str | None:
@@ -291,7 +289,7 @@ def make_config(
             )
     elif len(parsed.nodes) > 1:
         raise _fail("url", "lists several hosts, which only a cluster accepts (redis+cluster://)")
-    return RedisConfig(
+    config = RedisConfig(
         nodes=parsed.nodes,
         unix_path=parsed.unix_path,
         tls=parsed.tls,
@@ -309,3 +307,6 @@ def make_config(
         tls_key_file=key_file,
         tls_verify=tls_verify,
     )
+    if config.tls:
+        config.check_tls()
+    return config

@@ -1,85 +1,38 @@
-"""Loopback port helpers shared by the managed dev servers.
+"""Free loopback ports for the dev servers, picked by port-for.
 
-Every dev server binds a port that the OS picked as free, and every start waits
-for the port to accept connections before tests use it. Both steps live here so
-each server helper (Redis, Mooncake, ...) fails the same, readable way: with the
-tail of the server's own log instead of a bare "connection refused".
+port-for draws from ports no service is registered for and outside the ephemeral
+range, so a port it hands out is not grabbed by some outgoing connection before the
+server binds it; the server helpers still retry with a new port when they lose a race.
 """
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-from pathlib import Path
-from typing import Any
+import functools
 
-__all__ = ["free_port", "log_tail", "wait_for_port"]
+import port_for
 
-_POLL_INTERVAL_S = 0.02
+__all__ = ["free_port", "free_port_pair"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago.
+@functools.cache
+def _candidates() -> frozenset[int]:
+    # port-for works this set out from the OS's ephemeral range on every call (~20 ms)
+    return frozenset(port_for.available_good_ports())
 
-    The OS picks it (bind to port 0), so parallel test processes do not collide
-    the way a fixed port list would. The socket is closed before returning, so
-    another process may grab the port in between; callers that start a server on
-    it should retry with a new port when the server reports the address in use.
+
+def free_port(exclude: set[int] | frozenset[int] = frozenset()) -> int:
+    """A TCP port that nothing used on 127.0.0.1 (or any address) a moment ago."""
+    return port_for.select_random(set(_candidates()), exclude_ports=exclude)
+
+
+def free_port_pair(offset: int, exclude: set[int]) -> int:
+    """A free port ``p`` (not in ``exclude``) whose ``p + offset`` is free too.
+
+    A Redis Cluster node also listens on its client port + 10000 (the cluster bus).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def log_tail(log_path: str | Path | None, max_lines: int = 30) -> str:
-    """Return the last ``max_lines`` lines of a server log, or a placeholder.
-
-    A server that fails to start usually says why in its log (address in use,
-    bad option); putting that text into the exception saves a trip to a temp dir
-    that is deleted by the time anyone looks.
-    """
-    if log_path is None:
-        return "(no log file)"
-    try:
-        text = Path(log_path).read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        return f"(log {log_path} unreadable: {exc})"
-    lines = text.splitlines()[-max_lines:]
-    return "\n".join(lines) if lines else "(log is empty)"
-
-
-def wait_for_port(
-    host: str,
-    port: int,
-    timeout: float,
-    proc: subprocess.Popen[Any] | None = None,
-    log_path: str | Path | None = None,
-) -> None:
-    """Block until ``host:port`` accepts a TCP connection.
-
-    Polls instead of sleeping a fixed time, so a fast start costs milliseconds
-    and a slow machine still gets up to ``timeout`` seconds. If ``proc`` exits
-    first, waiting on is pointless: raise at once. Either failure raises
-    :class:`RuntimeError` carrying the tail of ``log_path``.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(
-                f"server process {proc.pid} exited with code {proc.returncode} "
-                f"before {host}:{port} accepted connections; log tail:\n"
-                f"{log_tail(log_path)}"
-            )
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            pass
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"{host}:{port} did not accept connections within {timeout:.1f} s; "
-                f"log tail:\n{log_tail(log_path)}"
-            )
-        time.sleep(_POLL_INTERVAL_S)
+    for _ in range(100):
+        port = free_port(exclude)
+        bus = port + offset
+        if bus in _candidates() and bus not in exclude and not port_for.port_is_used(bus):
+            return port
+    raise RuntimeError(f"port-for found no free port pair (p, p + {offset})")

@@ -1,0 +1,352 @@
+"""``exists`` / ``put`` / ``get`` / ``delete`` through the client's zero-copy batch calls.
+
+Bytes move with ``batch_put_from`` and ``batch_get_into``: the transfer engine reads
+from and writes to the caller's memory directly when it is registered, else through
+the scratch area (:mod:`kvconn_mooncake._memory`). Mooncake's copying API (``put`` /
+``get``) is never used: it cannot tell a miss from an error, answers a batch put with
+one code, and is capped by ``local_buffer_size``. How the contract maps onto Mooncake
+(measured, ``docs/notes/mooncake-api.md``):
+
+* ``exists`` is one ``batch_is_exist``; any negative code raises (never a miss).
+* ``put`` de-duplicates the batch first (Mooncake stores the *second* of two equal
+  keys; the contract wants the first). Mooncake never overwrites: a put of a stored key,
+  or of one another writer has in flight, returns 0 → True. ``-200`` (no space) is a
+  dropped save → False, not an exception.
+* ``get`` must not touch a buffer whose size differs from the stored value's, but
+  ``batch_get_into`` writes a shorter value into a larger buffer before anyone can
+  compare. So each get first asks the master for the stored sizes
+  (``batch_get_replica_desc``, one RPC for the batch, ~0.3-0.9 ms for 64 keys, ~2 % of a
+  64 x 1 MiB transfer) and reads only the keys whose size matches. That query also takes
+  Mooncake's read lease (``default_kv_lease_ttl``, 10 s), so the object cannot be evicted
+  or removed (short of ``remove(force=True)``) between the size check and the read. Only
+  ``COMPLETE`` replicas count, so a put still in flight reads as a miss, never torn.
+  Duplicate keys are read once and copied: ``batch_get_into`` with a key twice reports
+  success for both but fills only one buffer.
+* ``get(..., scratch=True)`` (the connector's reads, into staging) skips that query:
+  a failed key may leave bytes in a scratch buffer, and a wrong size is still told
+  apart (``-600`` for a buffer too small, nothing written; the value's length when the
+  buffer is larger). ``batch_get_into`` takes the read lease itself. Copies are only
+  described for keys whose transfer failed, to read them from another replica.
+* Keys whose copy sits on a dead storage process are read from, or put to, a live one
+  (:mod:`kvconn_mooncake._failover`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kvconn.errors import BackendError
+from kvconn_mooncake import _codes as codes
+from kvconn_mooncake._failover import Copy, Failover, ReplicaReader, Stored
+from kvconn_mooncake._memory import Round
+from kvconn_mooncake._session import Session
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pending:
+    """A key to read once: the buffer it lands in, and buffers that want the same key."""
+
+    key: str
+    target: int
+    duplicates: list[int]
+    stored: Stored | None  # None: read without asking the size and copies first
+
+    @property
+    def wanted(self) -> int:
+        """Buffers that wanted the key: a failure is counted once per buffer."""
+        return 1 + len(self.duplicates)
+
+
+def positions(keys: list[str]) -> dict[str, list[int]]:
+    """Each distinct key and where it appears in the batch, in first-seen order."""
+    if len(set(keys)) == len(keys):  # the usual batch, checked at C speed
+        return {key: [i] for i, key in enumerate(keys)}
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+class Transfers:
+    """The backend's operations over one :class:`Session`."""
+
+    def __init__(self, session: Session, counters: Counter[str]) -> None:
+        self.session = session
+        self.memory = session.memory
+        self.counters = counters
+        self._replicate = session.config.replicate_config(session.mc)
+        self._failover = Failover(self)
+
+    def exists(self, keys: list[str]) -> Sequence[bool]:
+        session = self.session
+        store = session.enter()
+        try:
+            # 1/0 per key; Backend.exists turns them into bools
+            return cast("Sequence[bool]", session.exist_codes(store, keys))
+        finally:
+            session.leave()
+
+    def put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        unique = [places[0] for places in positions(keys).values()]  # the first writer wins
+        stored: dict[str, bool] = {}
+        session = self.session
+        store = session.enter()
+        try:
+            for round_ in self.memory.plan([values[i] for i in unique]):
+                batch = [unique[j] for j in round_.items]
+                round_keys = [keys[i] for i in batch]
+                sizes = [values[i].nbytes for i in batch]
+                with self.memory.addresses(round_) as (addresses, area):
+                    if area is not None:
+                        for i, offset in zip(batch, round_.offsets):
+                            if offset >= 0:
+                                area[offset : offset + values[i].nbytes] = values[i]
+                    results = session.codes(
+                        "put", store.batch_put_from, round_keys, addresses, sizes, self._replicate
+                    )
+                    if codes.TRANSFER_FAIL in results:
+                        results = self._failover.reroute_puts(
+                            store, round_keys, addresses, sizes, results
+                        )
+                copied = sum(1 for offset in round_.offsets if offset >= 0)
+                self.counters["put_zero_copy"] += len(batch) - copied
+                self.counters["put_scratch"] += copied
+                for key, code in zip(round_keys, results):
+                    ok = code in codes.PRESENT
+                    stored[key] = ok
+                    if not ok:
+                        self._count_put_failure(key, code)
+        finally:
+            session.leave()
+        return [stored[k] for k in keys]
+
+    def get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+        groups = positions(keys)
+        ok = [False] * len(keys)
+        session = self.session
+        store = session.enter()
+        try:
+            stored = self.describe(store, list(groups))
+            reader = session.reader
+            avoid = reader.failed_endpoints() if reader is not None else set()
+            direct: list[Pending] = []  # through the client
+            rerouted: list[Pending] = []  # copies on an endpoint known to fail: bypass it
+            for key, places in groups.items():
+                found = stored.get(key)
+                if found is None:
+                    self.counters["get_miss"] += len(places)
+                    continue
+                fitting = [i for i in places if buffers[i].nbytes == found.size]
+                self.counters["get_wrong_size"] += len(places) - len(fitting)
+                if not fitting:
+                    continue
+                pending = Pending(key, fitting[0], fitting[1:], found)
+                if reader is not None and reader.should_bypass(found, avoid):
+                    rerouted.append(pending)
+                else:
+                    direct.append(pending)
+            rerouted += self._read_through_client(store, reader, direct, buffers, ok)
+            if rerouted and reader is not None:
+                self._failover.read_from_replicas(reader, rerouted, buffers, ok)
+        finally:
+            session.leave()
+        return ok
+
+    def get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+        """Read without asking sizes first: the caller's buffers are scratch.
+
+        ``batch_get_into`` refuses a buffer smaller than the value (``-600``, nothing
+        written) and reports a shorter value by its length after copying it, so a
+        wrong size is still told apart; only the bytes a failed key leaves behind
+        differ, and scratch buffers may hold those. That saves the replica-descriptor
+        RPC, as costly as the transfer itself for values of tens of KiB.
+        """
+        groups = positions(keys)
+        if len(groups) < len(keys) and any(
+            len({buffers[i].nbytes for i in places}) > 1 for places in groups.values()
+        ):
+            return self.get(keys, buffers)  # one key into buffers of two sizes: ask first
+        ok = [False] * len(keys)
+        session = self.session
+        store = session.enter()
+        try:
+            reader = session.reader  # after enter: a delayed set-up makes it
+            if reader is not None and reader.failed_endpoints():
+                return self.get(keys, buffers)  # a copy failed lately: steer around it
+            reads = [Pending(key, p[0], p[1:], None) for key, p in groups.items()]
+            failed = self._read_through_client(store, reader, reads, buffers, ok)
+            if failed and reader is not None:
+                self._failover.read_described(store, reader, failed, buffers, ok)
+        finally:
+            session.leave()
+        return ok
+
+    def delete(self, keys: list[str]) -> Sequence[bool]:
+        """``batch_remove(force=True)``: every read takes a 10 s lease that blocks removal."""
+        unique = list(dict.fromkeys(keys))
+        session = self.session
+        store = session.enter()
+        try:
+            results = session.codes("delete", store.batch_remove, unique, True)
+            removed: dict[str, bool] = {}
+            for key, code in zip(unique, results):
+                if code == codes.OK:
+                    removed[key] = True
+                elif code == codes.OBJECT_NOT_FOUND:
+                    removed[key] = False
+                else:
+                    raise BackendError(
+                        f"mooncake at {session.where}: remove of {key!r} failed with "
+                        f"{codes.describe(code)}"
+                    )
+        finally:
+            session.leave()
+        return [removed[k] for k in keys]
+
+    # ------------------------------------------------------------------ reads
+    def describe(self, store: Any, keys: list[str], retried: bool = False) -> dict[str, Stored]:
+        """Size and copies of each key that has a complete replica; raises if the store failed.
+
+        ``batch_get_replica_desc`` leaves out absent keys *and* answers ``{}`` when the
+        master is down, so keys it leaves out are confirmed with ``batch_is_exist``,
+        which reports a failure as a code. Only misses pay for that second RPC.
+        """
+        session = self.session
+        described = session.invoke("batch_get_replica_desc", store.batch_get_replica_desc, keys)
+        complete = session.mc.ReplicaStatus.COMPLETE
+        stored: dict[str, Stored] = {}
+        for key, replicas in described.items():
+            size = -1
+            copies: list[Copy] = []
+            for replica in replicas:
+                if replica.status != complete:
+                    continue  # a put in flight, or a replica being removed
+                if replica.is_memory_replica():
+                    buffer = replica.get_memory_descriptor().buffer_descriptor
+                    if size in (-1, int(buffer.size)):
+                        size = int(buffer.size)
+                        copies.append(
+                            Copy(str(buffer.transport_endpoint), int(buffer.buffer_address))
+                        )
+                elif size == -1:
+                    size = int(replica.get_disk_descriptor().object_size)
+            if size >= 0:
+                stored[key] = Stored(size, tuple(copies))
+        unknown = [k for k in keys if k not in stored]
+        if not unknown:
+            session.down = False  # the master answered
+            return stored
+        results = session.exist_codes(store, unknown)
+        present = [k for k, r in zip(unknown, results) if r == 1]
+        if present and not retried:  # an answer lost to a restart, or a put just finished
+            stored.update(self.describe(store, present, retried=True))
+        return stored
+
+    def rounds(
+        self, reads: list[Pending], buffers: list[memoryview]
+    ) -> list[tuple[Round, list[Pending]]]:
+        """``reads`` split into rounds that fit the scratch area, each with its reads."""
+        plan = self.memory.plan([buffers[r.target] for r in reads])
+        return [(round_, [reads[j] for j in round_.items]) for round_ in plan]
+
+    def _read_through_client(
+        self,
+        store: Any,
+        reader: ReplicaReader | None,
+        reads: list[Pending],
+        buffers: list[memoryview],
+        ok: list[bool],
+    ) -> list[Pending]:
+        """``batch_get_into``; returns the failed reads another replica could serve."""
+        retry: list[Pending] = []
+        for round_, round_reads in self.rounds(reads, buffers):
+            lengths = [buffers[r.target].nbytes for r in round_reads]
+            with self.memory.addresses(round_) as (addresses, area):
+                results = self.session.codes(
+                    "get", store.batch_get_into, [r.key for r in round_reads], addresses, lengths
+                )
+                for n, (read, code) in enumerate(zip(round_reads, results)):
+                    offset = round_.offsets[n]
+                    if code == lengths[n]:
+                        self.finish(read, buffers, ok, area, offset)
+                    elif code == codes.TRANSFER_FAIL and reader is not None:
+                        self.counters["get_transfer_failed"] += 1
+                        # The chosen copy's process is gone but the master still lists
+                        # it. With one copy, remember its endpoint so keys that also
+                        # have a copy elsewhere skip it; with more (or not yet known),
+                        # try those.
+                        if read.stored is None or len(read.stored.copies) > 1:
+                            retry.append(read)
+                        else:
+                            reader.mark_failed(c.endpoint for c in read.stored.copies)
+                            self._count_get_failure(read, code, lengths[n], offset >= 0)
+                    elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
+                        # Sizes were not asked: the value is shorter than the buffer
+                        # (its bytes are in the scratch buffer) or longer (-600, none).
+                        self.counters["get_wrong_size"] += read.wanted
+                    else:
+                        self._count_get_failure(read, code, lengths[n], offset >= 0)
+        return retry
+
+    def finish(
+        self,
+        read: Pending,
+        buffers: list[memoryview],
+        ok: list[bool],
+        area: memoryview | None,
+        offset: int,
+        *,
+        failover: bool = False,
+    ) -> None:
+        """A read landed: copy it out of scratch if it went there, and to duplicates."""
+        target = buffers[read.target]
+        if area is not None and offset >= 0:
+            target[:] = area[offset : offset + target.nbytes]
+            self.counters["get_scratch"] += 1
+        else:
+            self.counters["get_zero_copy"] += 1
+        if failover:
+            self.counters["get_failover"] += 1
+        ok[read.target] = True
+        for other in read.duplicates:
+            buffers[other][:] = target
+            ok[other] = True
+
+    def _count_get_failure(
+        self, read: Pending, code: int, expected: int, via_scratch: bool
+    ) -> None:
+        """Count a failed read once per buffer that wanted the key, as misses found
+        before reading are."""
+        key, wanted = read.key, read.wanted
+        if code in codes.ABSENT:
+            self.counters["get_miss"] += wanted  # evicted or removed since the size query
+        elif code >= 0:
+            # The value changed size between the size query and the read, which the
+            # read lease forbids short of a forced remove and a new put under the same
+            # key. Through scratch the caller's buffer is untouched; a registered one
+            # may hold the first bytes of the new value: say so loudly.
+            self.counters["get_wrong_size"] += wanted
+            level = logging.DEBUG if via_scratch else logging.ERROR
+            log.log(
+                level,
+                "kvconn: mooncake value %r changed size during a read (%d, expected %d)",
+                key,
+                code,
+                expected,
+            )
+        else:
+            self.counters["get_failed"] += wanted  # e.g. -800: its segment's process died
+            log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
+
+    def _count_put_failure(self, key: str, code: int) -> None:
+        if code in codes.FULL:
+            self.counters["put_full"] += 1  # eviction lags a fast writer: a dropped save
+        else:
+            self.counters["put_failed"] += 1
+            log.debug("kvconn: mooncake put of %r failed with %s", key, codes.describe(code))

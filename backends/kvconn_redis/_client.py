@@ -1,0 +1,445 @@
+"""The batched operations on redis-py: one server (``Redis``) or a cluster (``RedisCluster``).
+
+Every batch is one pipeline (``transaction=False``): one round trip to a server, or one
+per node in a cluster, where redis-py writes every node's share before it reads any
+reply and follows ``MOVED``/``ASK`` itself. Pipelines read every reply even when some
+are errors, so a connection always goes back to its pool in step; redis-py drops a
+connection that failed mid-batch (a timeout, a reset) instead of reusing it.
+
+* ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
+  writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
+  server is full and may not evict) fails only that key: a dropped save.
+* ``get`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
+  one slot); each value is checked against its buffer's size and then copied into it
+  once. A value of another size, or a key that holds no string, is that key's miss and
+  its buffer stays untouched.
+* ``exists`` — ``EXISTS`` per key. Any error reply raises: "could not ask" is never
+  "absent".
+
+Values of 64 KiB or more go out as the caller's memoryviews, without a join or a copy
+(:mod:`kvconn_redis._packer`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, cast
+
+import redis
+from redis import exceptions as rx
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from kvconn.errors import ConfigError
+from kvconn_redis._config import RedisConfig
+from kvconn_redis._deadline import (
+    DeadlineConnection,
+    DeadlinePool,
+    DeadlineSSLConnection,
+    DeadlineUnixConnection,
+)
+from kvconn_redis._errors import error_code, reply_error
+
+__all__ = ["CLIENT_ERRORS", "Client", "ClusterClient", "ServerClient", "make_client"]
+
+#: What redis-py raises when a call fails (``RedisClusterException`` is no
+#: ``RedisError``; a socket error may escape a few of its paths unwrapped).
+CLIENT_ERRORS = (rx.RedisError, rx.RedisClusterException, OSError)
+
+_SCAN_COUNT = 1000
+#: Bytes every key of ours is made of (printable ASCII, no space): anything else in a
+#: listing was written by another program and is skipped, never decoded blindly.
+_KEY_BYTES = bytes(range(0x21, 0x7F))
+
+
+class Client(Protocol):
+    """What the backend needs from either mode."""
+
+    def check_access(self) -> None: ...
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
+
+    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[str]) -> list[bool]: ...
+
+    def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]: ...
+
+    def close(self) -> None: ...
+
+
+def _connection_options(config: RedisConfig) -> dict[str, Any]:
+    """What every connection gets, in either mode (redis-py keyword arguments)."""
+    options: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        # RESP2: plain strings and integers are all these commands exchange; it needs
+        # no HELLO round trip, and redis-py's RESP3 default also turns on maintenance
+        # notifications, which skip the pool's check for unread replies.
+        "protocol": 2,
+        "socket_timeout": config.timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "max_connections": config.max_connections,
+    }
+    if config.unix_path is None:
+        options["socket_keepalive"] = True
+    if config.tls:
+        options.update(
+            ssl_ca_certs=config.tls_ca_file,
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
+            ssl_cert_reqs="required" if config.tls_verify else "none",
+            ssl_check_hostname=config.tls_verify,
+        )
+    return options
+
+
+def _connection_class(config: RedisConfig) -> type[redis.connection.AbstractConnection]:
+    if config.unix_path is not None:
+        return DeadlineUnixConnection
+    return DeadlineSSLConnection if config.tls else DeadlineConnection
+
+
+class _Commands:
+    """Building a batch and reading its replies: the same in both modes."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        self.config = config
+        self.prefix = config.key_prefix
+        self._set_tail: tuple[Any, ...] = ("NX",)
+        if config.ttl_ms is not None:
+            self._set_tail = ("NX", "PX", config.ttl_ms)
+
+    def _pipeline(self) -> Any:
+        raise NotImplementedError
+
+    def _order(self, keys: Sequence[str]) -> list[int] | None:
+        """The order to queue a batch in (None: as given); see :class:`ClusterClient`."""
+        return None
+
+    def _after_batch(self) -> None:
+        """Housekeeping once a batch is done; see :class:`ClusterClient`."""
+
+    def _run(self, command: str, keys: Sequence[str], values: Sequence[Any] = ()) -> list[Any]:
+        """``command key [value] *tail`` per key as one pipeline; replies in ``keys`` order."""
+        pipe = self._pipeline()
+        prefix = self.prefix
+        order = self._order(keys)
+        queue = pipe.execute_command
+        if values:
+            tail = self._set_tail
+            for i in order if order is not None else range(len(keys)):
+                queue(command, prefix + keys[i], values[i], *tail)
+        else:
+            for i in order if order is not None else range(len(keys)):
+                queue(command, prefix + keys[i])
+        replies = list(pipe.execute(raise_on_error=False))
+        self._after_batch()
+        if order is None:
+            return replies
+        out: list[Any] = [None] * len(keys)
+        for i, reply in zip(order, replies):
+            out[i] = reply
+        return out
+
+    def _flags(self, op: str, command: str, keys: Sequence[str]) -> list[bool]:
+        replies = self._run(command, keys)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply_error(reply, self.config, op)
+        return [reply > 0 for reply in replies]
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._flags("exists", "EXISTS", keys)
+
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        return self._flags("delete", "DEL", keys)
+
+    def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        replies = self._run("SET", keys, values)
+        out = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                if isinstance(reply, rx.OutOfMemoryError):
+                    out.append(False)  # not saved: a dropped save, not a broken store
+                    continue
+                raise reply_error(reply, self.config, "put")
+            out.append(True)  # OK: stored; nil: already present, left untouched
+        return out
+
+    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[bool]:
+        """Copy each value into its buffer when the sizes match; errors raise first."""
+        for reply in replies:
+            if isinstance(reply, Exception) and error_code(reply) != "WRONGTYPE":
+                raise reply_error(reply, self.config, "get")
+        out = []
+        for value, buffer in zip(replies, buffers):
+            if isinstance(value, bytes) and len(value) == buffer.nbytes:
+                buffer[:] = value
+                out.append(True)
+            else:  # absent, another size, or not a string (WRONGTYPE)
+                out.append(False)
+        return out
+
+    def _probe_key(self) -> str:
+        # A space cannot occur in kvconn's keys, so no page can ever be this key.
+        return f"{self.prefix}kvconn access probe {os.urandom(8).hex()}"
+
+    def _probe(self, pipe: Any) -> None:
+        """Ask, without changing anything, whether this user may write and read our keys.
+
+        ``SET key "" XX`` on an absent key writes nothing, yet the server checks it
+        against the user's ACL exactly like the puts to come (command *and* key). A
+        user's own ``ACL DRYRUN`` would say the same but is an admin command that
+        application users are rarely granted, so it cannot be the probe.
+        """
+        key = self._probe_key()
+        pipe.execute_command("SET", key, "", "XX")
+        pipe.execute_command("GET", key)
+        pipe.execute_command("EXISTS", key)
+
+    def _check_probe(self, replies: Sequence[Any]) -> None:
+        user = self.config.username or "default"
+        for command, reply in zip(("SET", "GET", "EXISTS"), replies):
+            if not isinstance(reply, Exception):
+                continue
+            code = error_code(reply)
+            if code == "NOPERM":
+                if "key" in str(reply) and not self.prefix:
+                    # The user is confined to some keys; without a key_prefix nothing
+                    # says which keys kvconn will use, so nothing can be concluded.
+                    continue
+                what = (
+                    f"keys under key_prefix {self.prefix!r}"
+                    if "key" in str(reply)
+                    else f"the {command} command"
+                )
+                raise ConfigError(
+                    f"redis at {self.config.where}: the ACL user {user!r} has no "
+                    f"permission for {what}, which the backend needs "
+                    f"(server said: NOPERM {reply}); grant it or use another user"
+                )
+            if code == "READONLY":
+                raise ConfigError(
+                    f"redis at {self.config.where} is a read-only replica ({reply}); "
+                    "point the backend at a primary"
+                )
+            if isinstance(reply, (rx.ConnectionError, rx.TimeoutError, rx.ClusterError)):
+                raise reply
+            # OOM and the like say nothing about permissions: the probe has no verdict.
+
+
+def _page_keys(found: Sequence[bytes], key_prefix: bytes, seen: set[bytes]) -> list[bytes]:
+    """Keys of a SCAN page that are new and could be kvconn's; foreign bytes are skipped."""
+    out = []
+    for key in found:
+        if key in seen or not key.startswith(key_prefix):
+            continue
+        seen.add(key)
+        rest = key[len(key_prefix) :]
+        if rest and not rest.translate(None, _KEY_BYTES):
+            out.append(key)
+    return out
+
+
+class ServerClient(_Commands):
+    """One server: a ``Redis`` client over a blocking pool of deadline-aware connections."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        super().__init__(config)
+        options = _connection_options(config)
+        if config.unix_path is not None:
+            options["path"] = config.unix_path
+        else:
+            options["host"], options["port"] = config.nodes[0]
+        self._pool = DeadlinePool(  # type: ignore[no-untyped-call]
+            connection_class=_connection_class(config),
+            db=config.db,
+            **options,
+        )
+        self._redis = redis.Redis(connection_pool=self._pool)
+
+    def _pipeline(self) -> Any:
+        return self._redis.pipeline(transaction=False)
+
+    def check_access(self) -> None:
+        """Connect once; refuse a cluster node, and a user who may not read or write."""
+        pipe = self._pipeline()
+        pipe.execute_command("INFO", "cluster")
+        self._probe(pipe)
+        info, *probe = pipe.execute(raise_on_error=False)
+        if isinstance(info, (rx.ConnectionError, rx.TimeoutError)):
+            raise info
+        if isinstance(info, dict) and info.get("cluster_enabled") == 1:
+            raise ConfigError(
+                f"redis at {self.config.where} is a Redis Cluster node: use "
+                "cluster=True (or a redis+cluster:// URL)"
+            )
+        self._check_probe(probe)
+
+    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        prefix = self.prefix
+        try:
+            values = self._redis.execute_command(  # type: ignore[no-untyped-call]
+                "MGET", *[prefix + key for key in keys]
+            )
+        except rx.ResponseError as exc:
+            raise reply_error(exc, self.config, "get") from exc
+        return self.fill(values, buffers)
+
+    def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
+        return _scan(self, self._redis, prefix, set())
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+
+def _scan(
+    commands: _Commands, node: redis.Redis, prefix: str, seen: set[bytes]
+) -> Iterator[list[tuple[str, int]]]:
+    """SCAN one server for keys under ``prefix``, a page at a time, with their sizes.
+
+    ``seen`` spans calls: SCAN may return a key twice, and a cluster slot in migration
+    may show it on two nodes. STRLEN goes through ``commands``' pipeline (the cluster's,
+    so a key moved meanwhile is still found).
+    """
+    key_prefix = commands.prefix.encode("ascii")
+    pattern = _glob_escape(key_prefix + prefix.encode("ascii")) + b"*"
+    cursor: int = 0
+    while True:
+        cursor, found = node.scan(cursor=cursor, match=pattern, count=_SCAN_COUNT)
+        keys = _page_keys(cast("list[bytes]", found), key_prefix, seen)
+        if keys:
+            pipe = commands._pipeline()
+            for key in keys:
+                pipe.execute_command("STRLEN", key)
+            sizes = pipe.execute(raise_on_error=False)
+            yield [
+                (key[len(key_prefix) :].decode("ascii"), size)
+                for key, size in zip(keys, sizes)
+                # An error: not a string, not a page. 0: deleted since SCAN.
+                if isinstance(size, int) and size > 0
+            ]
+        if not cursor:
+            return
+
+
+def _glob_escape(data: bytes) -> bytes:
+    """Escape Redis glob metacharacters, so a key prefix matches only itself."""
+    out = bytearray()
+    for byte in data:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
+
+
+class ClusterClient(_Commands):
+    """A Redis Cluster through redis-py's ``RedisCluster``, made when first reachable.
+
+    ``RedisCluster`` reads the slot map as it is constructed, so a cluster that is down
+    when the backend starts would fail start-up; instead the client is made at the first
+    call that reaches the cluster, and until then every call is unavailable.
+    """
+
+    def __init__(self, config: RedisConfig) -> None:
+        super().__init__(config)
+        self._cluster: RedisCluster | None = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._nodes_seen: dict[str, Any] = {}
+
+    def _after_batch(self) -> None:
+        """Close the idle connections of nodes that left the slot map.
+
+        redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
+        node failure) and just drops the nodes that left, whose pools keep their sockets
+        open until garbage collection gets to them.
+        """
+        cluster = self._cluster
+        nodes = cluster.nodes_manager.nodes_cache if cluster is not None else None
+        if nodes is None or nodes is self._nodes_seen:
+            return
+        departed = [n for name, n in self._nodes_seen.items() if name not in nodes]
+        self._nodes_seen = nodes
+        for node in departed:
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect(inuse_connections=False)
+
+    def _make(self) -> RedisCluster:
+        config = self.config
+        (host, port), *others = config.nodes
+        shown = f"[{host}]" if ":" in host else host
+        return RedisCluster(
+            # Through a URL (without credentials) redis-py builds each node's pool from
+            # connection_pool_class and connection_class: the deadline-aware ones.
+            url=f"redis://{shown}:{port}",
+            startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
+            connection_pool_class=DeadlinePool,
+            connection_class=_connection_class(config),
+            # Redirections are followed regardless; a failed node is not retried
+            # within a call (the deadline would end it anyway), only at the next call.
+            retry=Retry(NoBackoff(), 0),
+            **_connection_options(config),
+        )
+
+    def _client(self) -> RedisCluster:
+        cluster = self._cluster
+        if cluster is not None:
+            return cluster
+        if os.getpid() != self._pid:  # a parent thread may have held the lock at fork
+            self._lock, self._pid = threading.Lock(), os.getpid()
+        with self._lock:
+            if self._cluster is None:
+                self._cluster = self._make()
+            return self._cluster
+
+    def _pipeline(self) -> Any:
+        return self._client().pipeline(transaction=False)  # type: ignore[no-untyped-call]
+
+    def _order(self, keys: Sequence[str]) -> list[int] | None:
+        """Keys grouped by node, nodes in one order shared by every thread.
+
+        A cluster pipeline takes a connection from each node's pool in the order its
+        commands were queued and holds them all until the replies are in. With full
+        pools, two threads taking two nodes in opposite orders would each wait for the
+        other's: one global order (by node address) rules that out.
+        """
+        cluster = self._client()
+        prefix = self.prefix
+
+        def node(i: int) -> str:
+            try:
+                return str(cluster.get_node_from_key(prefix + keys[i]).name)  # type: ignore[no-untyped-call]
+            except rx.RedisClusterException:  # an unserved slot: the pipeline will say
+                return ""
+
+        return sorted(range(len(keys)), key=node)
+
+    def check_access(self) -> None:
+        pipe = self._pipeline()
+        self._probe(pipe)
+        self._check_probe(pipe.execute(raise_on_error=False))
+
+    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        return self.fill(self._run("GET", keys), buffers)
+
+    def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
+        cluster = self._client()
+        seen: set[bytes] = set()
+        for node in cluster.get_primaries():  # type: ignore[no-untyped-call]
+            yield from _scan(self, cluster.get_redis_connection(node), prefix, seen)
+
+    def close(self) -> None:
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            cluster.close()
+
+
+def make_client(config: RedisConfig) -> ServerClient | ClusterClient:
+    return ClusterClient(config) if config.cluster else ServerClient(config)
