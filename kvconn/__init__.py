@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "KvconnError": "kvconn.errors",
     "LayoutError": "kvconn.errors",
     "ReuseScope": "kvconn.hashing",
+    "adopt_hashes": "kvconn.hashing",
     "block_hashes": "kvconn.hashing",
     "KvLayout": "kvconn.layout",
     "LayerGroup": "kvconn.layout",
@@ -79,6 +80,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.errors import KvconnError as KvconnError
     from kvconn.errors import LayoutError as LayoutError
     from kvconn.hashing import ReuseScope as ReuseScope
+    from kvconn.hashing import adopt_hashes as adopt_hashes
     from kvconn.hashing import block_hashes as block_hashes
     from kvconn.layout import KvLayout as KvLayout
     from kvconn.layout import LayerGroup as LayerGroup

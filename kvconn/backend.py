@@ -41,6 +41,9 @@ class Capabilities:
     delete: bool = False
     listing: bool = False
     device_pointers: bool = False  # can move bytes from/to GPU memory directly
+    #: Calls may come from several threads at once. A connector serializes its calls
+    #: to a backend that does not declare this (one lock per backend object).
+    thread_safe: bool = False
 
 
 def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:

@@ -13,13 +13,23 @@ It applies DESIGN.md's rules in one place:
 * the first save that reaches the store also puts the layout manifest of every page kind
   (one batched put, after the save's pages), so ``kvconn inspect`` can tell which roles a
   page holds; a failure there is retried on a later save and is never a dropped page.
+
+Threads: one connector may be called from several threads at once (SGLang asks
+``exists``, ``get`` and ``set`` from three). Each save or load borrows its own staging
+buffer; back-off, counters and manifest state change under a lock; and calls to a
+backend that does not declare ``Capabilities.thread_safe`` are serialized by a lock
+shared by every connector over that backend object. ``register_pools`` and ``close``
+are not meant to race with transfers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -36,16 +46,17 @@ from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import (
     PagePlan,
     RankShare,
+    WriterPolicy,
     count_prefix_hit,
     lookup_keys,
     plan_pages,
     rank_shares,
     share_key,
-    writer_replica,
+    writes,
 )
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
-from kvconn.staging import Staging
+from kvconn.staging import Staging, StagingPool
 from kvconn.stats import ConnectorStats
 
 log = logging.getLogger("kvconn")
@@ -90,7 +101,12 @@ class _Skipped(Exception):
 
 
 class Connector:
-    """One rank's view of the store. Safe to use from one thread at a time."""
+    """One rank's view of the store; safe to call from several threads (module docstring).
+
+    Without pools it still answers :meth:`lookup`, which needs only the layout's
+    geometry: an engine's scheduler builds one from ``KvLayout.from_dict`` and never
+    holds KV tensors.
+    """
 
     def __init__(
         self,
@@ -132,10 +148,13 @@ class Connector:
         self._scratch_reads = _takes_keyword(self.backend.get, "scratch")
         self._down_until = 0.0
         self._down = False
+        #: Guards back-off and manifest state; never held across a backend call.
+        self._state_lock = threading.Lock()
+        self._backend_guard = _call_guard(self.backend)
         self._movers: list[PageMover] | None = None
         self.pools: list[torch.Tensor] = []
         self._device = torch.device("cpu")
-        self._staging = Staging(self.backend, pin=False)
+        self._staging = StagingPool(self.backend, pin=False, guard=self._backend_guard)
         if pools is not None:
             self.register_pools(pools)
 
@@ -206,7 +225,9 @@ class Connector:
         ]
         # CUDA pools need pinned staging; nothing is allocated until the first transfer
         self._staging.release()
-        self._staging = Staging(self.backend, pin=self._device.type == "cuda")
+        self._staging = StagingPool(
+            self.backend, pin=self._device.type == "cuda", guard=self._backend_guard
+        )
 
     def close(self) -> None:
         self._staging.release()
@@ -222,7 +243,7 @@ class Connector:
     def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
         """The longest prefix of blocks whose every page, for every rank, is stored."""
         hashes = _check_hashes(block_hashes)
-        self.stats.lookups += 1
+        self.stats.bump("lookups")
         if not hashes:
             return LookupResult(0, 0)
         per_block = lookup_keys(self.prefix, self.plans, hashes)
@@ -230,25 +251,35 @@ class Connector:
         try:
             present = self._call("exists", lambda: self.backend.exists(self._vetted(flat)))
         except _Skipped:
-            self.stats.lookup_errors += 1
+            self.stats.bump("lookup_errors")
             return LookupResult(0, 0, available=False)
         it = iter(present)
         blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
         return LookupResult(blocks, blocks * self.layout.tokens_per_block)
 
     # ------------------------------------------------------------------ save
-    def save(self, block_hashes: Sequence[bytes], slots: Slots) -> SaveResult:
-        """Store the pages of these blocks that this rank is the designated writer of."""
+    def save(
+        self,
+        block_hashes: Sequence[bytes],
+        slots: Slots,
+        *,
+        writer_policy: WriterPolicy | str | None = None,
+    ) -> SaveResult:
+        """Store the pages of these blocks that this rank is the designated writer of.
+
+        ``writer_policy`` overrides the configured one for this call; ``"all"`` is for
+        an engine that decides itself which rank saves (SGLang MLA: rank 0 only): this
+        rank then writes every page it holds that is not stored yet.
+        """
         hashes = _check_hashes(block_hashes)
         slot_map = self._slot_map(slots, hashes)
         movers = self._require_pools()
+        policy = self.config.writer_policy
+        if writer_policy is not None:
+            policy = WriterPolicy.parse(writer_policy)
         owned: list[tuple[int, list[int], list[str]]] = []  # (share index, blocks, keys)
         for s, share in enumerate(self.shares):
-            blocks = [
-                i
-                for i, h in enumerate(hashes)
-                if writer_replica(h, share.dup, self.config.writer_policy) == share.replica_index
-            ]
+            blocks = [i for i, h in enumerate(hashes) if writes(share, h, policy)]
             owned.append((s, blocks, [share_key(self.prefix, share, hashes[i]) for i in blocks]))
         all_keys = [k for _, _, keys in owned for k in keys]
         if not all_keys:
@@ -259,6 +290,18 @@ class Connector:
             for s, blocks, _ in owned:
                 self.stats.add("dropped", self.shares[s].plan, len(blocks))
             return SaveResult(dropped=len(all_keys))
+        with self._staging.borrow() as staging:
+            result = self._write_missing(owned, present, movers, slot_map, staging)
+        return result
+
+    def _write_missing(
+        self,
+        owned: Sequence[tuple[int, list[int], list[str]]],
+        present: Sequence[bool],
+        movers: Sequence[PageMover],
+        slot_map: Mapping[int, torch.Tensor],
+        staging: Staging,
+    ) -> SaveResult:
         written = skipped = dropped = 0
         pos = 0
         for s, blocks, keys in owned:
@@ -273,16 +316,16 @@ class Connector:
             chunk = self._chunk_blocks(plan.page_size)
             for start in range(0, len(todo), chunk):
                 part = todo[start : start + chunk]
-                ok = self._put_pages(s, movers[s], slot_map, part)
+                ok = self._put_pages(s, movers[s], slot_map, part, staging)
                 self.stats.add("written", plan, ok)
                 self.stats.add("dropped", plan, len(part) - ok)
                 written += ok
                 dropped += len(part) - ok
         if not self._manifests_stored:
-            self._store_manifests()
+            self._store_manifests(staging)
         return SaveResult(written, skipped, dropped)
 
-    def _store_manifests(self) -> None:
+    def _store_manifests(self, staging: Staging) -> None:
         """Put every page kind's layout manifest in one batch; on failure, a later save retries.
 
         Runs after the save's own pages, so its failure cannot cost this save a page, and
@@ -292,7 +335,7 @@ class Connector:
         keys = list(self._manifests)
         # Put from the staging buffer, like pages: a zero-copy store (Mooncake) then moves
         # them from its registered memory instead of copying through scratch space.
-        _, view = self._staging.take(sum(len(v) for v in self._manifests.values()))
+        _, view = staging.take(sum(len(v) for v in self._manifests.values()))
         values: list[memoryview] = []
         offset = 0
         for value in self._manifests.values():
@@ -303,8 +346,9 @@ class Connector:
             stored = self._call("put", lambda: self.backend.put(self._vetted(keys), values))
         except _Skipped:
             return
-        self._manifests_stored = all(stored)
-        if not self._manifests_stored:
+        with self._state_lock:  # a concurrent save may have stored them meanwhile
+            self._manifests_stored = self._manifests_stored or all(stored)
+        if not all(stored):
             log.debug("kvconn: a layout manifest put was refused; a later save retries")
 
     def _put_pages(
@@ -313,11 +357,12 @@ class Connector:
         mover: PageMover,
         slot_map: Mapping[int, torch.Tensor],
         part: Sequence[tuple[int, str]],
+        staging: Staging,
     ) -> int:
         plan = self.shares[s].plan
         n, size = len(part), plan.page_size
-        staging, view = self._staging.take(n * size)
-        pages = staging[: n * size].view(n, size)
+        buffer, view = staging.take(n * size)
+        pages = buffer[: n * size].view(n, size)
         index = slot_map[plan.group][torch.tensor([b for b, _ in part], dtype=torch.long)]
         mover.gather(index.to(self._device), pages)
         self._sync()
@@ -342,12 +387,13 @@ class Connector:
         per_block = sum(sh.plan.page_size for sh in self.shares)
         chunk = self._chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
         loaded = 0
-        for start in range(0, len(hashes), chunk):
-            stop = min(start + chunk, len(hashes))
-            good = self._load_chunk(hashes, start, stop, slot_map, movers)
-            loaded += good
-            if start + good < stop:
-                break
+        with self._staging.borrow() as staging:
+            for start in range(0, len(hashes), chunk):
+                stop = min(start + chunk, len(hashes))
+                good = self._load_chunk(hashes, start, stop, slot_map, movers, staging)
+                loaded += good
+                if start + good < stop:
+                    break
         failed = tuple(range(loaded, len(hashes)))
         if failed:
             for share in self.shares:
@@ -361,6 +407,7 @@ class Connector:
         stop: int,
         slot_map: Mapping[int, torch.Tensor],
         movers: Sequence[PageMover],
+        staging: Staging,
     ) -> int:
         n = stop - start
         # Each page kind starts on an aligned boundary, so its pages can be read as the
@@ -370,7 +417,7 @@ class Connector:
         for share in self.shares:
             offsets.append(total)
             total = _aligned(total + n * share.plan.page_size)
-        staging, view = self._staging.take(total)
+        buffer, view = staging.take(total)
         keys: list[str] = []
         buffers: list[memoryview] = []
         for share, offset in zip(self.shares, offsets):
@@ -392,7 +439,7 @@ class Connector:
             return 0
         for s, share in enumerate(self.shares):
             size = share.plan.page_size
-            pages = staging[offsets[s] : offsets[s] + good * size].view(good, size)
+            pages = buffer[offsets[s] : offsets[s] + good * size].view(good, size)
             index = slot_map[share.plan.group][start : start + good]
             movers[s].scatter(index.to(self._device), pages)
             self.stats.add("loaded", share.plan, good)
@@ -405,15 +452,19 @@ class Connector:
         if time.monotonic() < self._down_until:
             raise _Skipped
         try:
-            result = fn()
+            with self._backend_guard:
+                result = fn()
         except InvalidKeyError:
             raise  # our own key is at fault, not the store: never hide it as an outage
         except Exception as exc:
-            self.stats.backend_errors += 1
-            # From the failure, not the start: a call that timed out after longer than
-            # the interval must still leave a window in which no call waits again.
-            self._down_until = time.monotonic() + self.config.retry_interval_s
-            if not self._down:
+            self.stats.bump("backend_errors")
+            with self._state_lock:
+                # From the failure, not the start: a call that timed out after longer
+                # than the interval must still leave a window in which no call waits.
+                self._down_until = time.monotonic() + self.config.retry_interval_s
+                first = not self._down
+                self._down = True
+            if first:
                 log.warning(
                     "kvconn: backend %r failed in %s (%s); serving without the cache, "
                     "retrying after %.1fs",
@@ -423,11 +474,12 @@ class Connector:
                     self.config.retry_interval_s,
                     exc_info=not isinstance(exc, (OSError, BackendError)),
                 )
-            self._down = True
             raise _Skipped from exc
         if self._down:
-            log.info("kvconn: backend %r answers again", self.config.backend)
-            self._down = False
+            with self._state_lock:
+                recovered, self._down = self._down, False
+            if recovered:
+                log.info("kvconn: backend %r answers again", self.config.backend)
         return result
 
     def _chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
@@ -518,6 +570,22 @@ def _slot_list(seq: object, g: int, hashes: Sequence[bytes]) -> tuple[torch.Tens
 
 #: Where each page kind starts in a load's staging: a multiple of every word width.
 _STAGING_ALIGN = 64
+
+#: One lock per backend object that is not thread-safe, shared by every connector over it
+#: (a TP group in one process may share a backend); weak, so a closed backend goes.
+_BACKEND_LOCKS: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
+_BACKEND_LOCKS_LOCK = threading.Lock()
+
+
+def _call_guard(backend: Backend) -> contextlib.AbstractContextManager[object]:
+    """What to hold around a call to ``backend``: nothing when it declares thread safety."""
+    if backend.capabilities.thread_safe:
+        return contextlib.nullcontext()
+    with _BACKEND_LOCKS_LOCK:
+        try:
+            return _BACKEND_LOCKS.setdefault(backend, threading.Lock())
+        except TypeError:  # not weak-referenceable (__slots__): a lock of its own
+            return threading.Lock()
 
 
 def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:

@@ -4,17 +4,22 @@
 scope. Chaining makes a block's address name its whole prefix, so equal addresses mean
 equal KV bytes. blake2b is used instead of Python's ``hash()`` because every process on
 every machine must agree, and because a collision would serve another request's bytes.
+
+Engines that already hash their blocks (vLLM's 32-byte digests, SGLang's sha256 hex
+strings) keep their own chain: :func:`adopt_hashes` maps each engine hash, tagged with
+the name of the scheme that made it, to a kvconn digest of the usual size.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvconn.errors import ArgumentError
+from kvconn.errors import ArgumentError, ConfigError, InvalidKeyError
 
 DIGEST_SIZE = 16
 _VERSION = b"kvconn.chain.v1"
@@ -146,3 +151,66 @@ def block_hashes(
             f"tokens must be integer ids that fit 64 bits; block {i} holds {list(chunk)!r:.120}"
         ) from None
     return out
+
+
+#: A hash scheme names the engine and algorithm that made a hash, e.g. ``vllm:sha256``.
+_SCHEME = re.compile(r"^[a-z0-9][a-z0-9._:+-]{0,63}$")
+#: The shortest engine hash accepted: below 64 bits, unrelated prefixes would collide in
+#: a store of realistic size, and a collision serves another request's KV bytes.
+MIN_ENGINE_HASH_BYTES = 8
+
+
+def check_scheme(scheme: str) -> str:
+    """``scheme`` if it is a usable hash-scheme name, else a :class:`ConfigError`."""
+    if not isinstance(scheme, str) or not _SCHEME.match(scheme):
+        raise ConfigError(
+            f"hash scheme {scheme!r} must be 1-64 characters of a-z, 0-9 and '._:+-', "
+            "naming the engine and its algorithm (e.g. 'vllm:sha256')"
+        )
+    if scheme == "kvconn" or scheme.startswith("kvconn:"):
+        raise ConfigError(f"hash scheme {scheme!r} is reserved for kvconn's own chain")
+    return scheme
+
+
+def adopt_hash(scheme: str, engine_hash: bytes | str) -> bytes:
+    """The kvconn block digest standing for one engine-made block hash.
+
+    The engine hash is not truncated: a keyed blake2b of (scheme, kind, the whole hash)
+    maps it to :data:`DIGEST_SIZE` bytes. Its personalisation differs from the chain's,
+    and the scheme is hashed in, so an adopted hash never equals a digest of kvconn's own
+    chain or one adopted from another scheme, unless blake2b-128 collides. Keys thus keep
+    one fixed length whatever the engine's hash size (backends limit keys to 250
+    characters), and, being a pure function, every rank and the scheduler agree.
+
+    Bytes are taken as they are; a string (SGLang's hex digests) as its UTF-8 text, tagged
+    apart from bytes so that ``b"ab"`` and ``"ab"`` never share an address.
+    """
+    return _adopt(check_scheme(scheme).encode(), engine_hash, 0)
+
+
+def adopt_hashes(scheme: str, engine_hashes: Sequence[bytes | str]) -> list[bytes]:
+    """:func:`adopt_hash` over a request's block hashes, in order."""
+    tag = check_scheme(scheme).encode()
+    if isinstance(engine_hashes, (str, bytes, bytearray)):
+        raise InvalidKeyError("engine hashes must be a sequence of hashes, not a single hash")
+    return [_adopt(tag, h, i) for i, h in enumerate(engine_hashes)]
+
+
+def _adopt(tag: bytes, engine_hash: bytes | str, index: int) -> bytes:
+    if isinstance(engine_hash, str):
+        kind, data = b"s", engine_hash.encode("utf-8")
+    elif isinstance(engine_hash, (bytes, bytearray, memoryview)):
+        kind, data = b"b", bytes(engine_hash)
+    else:
+        raise InvalidKeyError(
+            f"engine block hash {index} must be bytes or str, got {type(engine_hash).__name__}"
+        )
+    if len(data) < MIN_ENGINE_HASH_BYTES:
+        raise InvalidKeyError(
+            f"engine block hash {index} has {len(data)} bytes; at least "
+            f"{MIN_ENGINE_HASH_BYTES} are needed for addresses that do not collide"
+        )
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"kvconn-engine")
+    h.update(_field(tag))
+    h.update(_field(kind + data))
+    return h.digest()

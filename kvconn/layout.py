@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 from kvconn.errors import LayoutError
 
@@ -291,11 +291,98 @@ class KvLayout:
     def role(self, name: str) -> Role:
         return self._roles_by_name[name]
 
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe description that :meth:`from_dict` turns back into an equal layout.
+
+        A process that holds no KV tensors (an engine's scheduler) needs the layout only
+        to plan keys; shipping this dict from a worker, or deriving it from the engine's
+        configuration, gives it one without tensors or torch.
+        """
+        return {
+            "version": LAYOUT_DICT_VERSION,
+            "tp_size": self.tp_size,
+            "tokens_per_block": self.tokens_per_block,
+            "roles": [_record(role) for role in self.roles],
+            "groups": [
+                {
+                    "index": g.index,
+                    "num_slots": g.num_slots,
+                    "name": g.name,
+                    "regions": [_record(r) for r in g.regions],
+                }
+                for g in self.groups
+            ],
+            "pool_sizes": list(self.pool_sizes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KvLayout:
+        """The layout :meth:`to_dict` described, validated like any other layout.
+
+        Unknown or missing fields are a :class:`LayoutError` naming them, so a dict from
+        a newer or older kvconn is refused instead of half-read.
+        """
+        doc = _fields_of(data, "layout", _LAYOUT_FIELDS)
+        if doc["version"] != LAYOUT_DICT_VERSION:
+            raise LayoutError(
+                f"layout: version {doc['version']!r} is not {LAYOUT_DICT_VERSION} "
+                "(written by another kvconn release?)"
+            )
+        roles = [
+            Role(**_fields_of(r, f"layout.roles[{i}]", _ROLE_FIELDS))
+            for i, r in enumerate(_list_of(doc["roles"], "layout.roles"))
+        ]
+        groups = []
+        for i, raw in enumerate(_list_of(doc["groups"], "layout.groups")):
+            g = _fields_of(raw, f"layout.groups[{i}]", _GROUP_FIELDS)
+            regions = tuple(
+                Region(**_fields_of(r, f"layout.groups[{i}].regions[{j}]", _REGION_FIELDS))
+                for j, r in enumerate(_list_of(g["regions"], f"layout.groups[{i}].regions"))
+            )
+            if not isinstance(g["name"], str):
+                raise LayoutError(f"layout.groups[{i}]: name must be a string, got {g['name']!r}")
+            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"]))
+        return cls(
+            tp_size=doc["tp_size"],
+            tokens_per_block=doc["tokens_per_block"],
+            roles=tuple(roles),
+            groups=tuple(groups),
+            pool_sizes=tuple(_list_of(doc["pool_sizes"], "layout.pool_sizes")),
+        )
+
     def group(self, index: int) -> LayerGroup:
         for g in self.groups:
             if g.index == index:
                 return g
         raise KeyError(index)
+
+
+#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other.
+LAYOUT_DICT_VERSION = 1
+_ROLE_FIELDS = ("name", "units", "dtype")
+_REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool")
+_GROUP_FIELDS = ("index", "num_slots", "name", "regions")
+_LAYOUT_FIELDS = ("version", "tp_size", "tokens_per_block", "roles", "groups", "pool_sizes")
+
+
+def _record(item: Role | Region) -> dict[str, Any]:
+    return {f.name: getattr(item, f.name) for f in fields(item)}
+
+
+def _fields_of(data: object, where: str, names: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise LayoutError(f"{where}: must be an object/dict, got {type(data).__name__}")
+    missing = [n for n in names if n not in data]
+    unknown = sorted(str(k) for k in data if k not in names)
+    if missing or unknown:
+        raise LayoutError(f"{where}: missing field(s) {missing}, unknown field(s) {unknown}")
+    return {n: data[n] for n in names}
+
+
+def _list_of(value: object, where: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise LayoutError(f"{where}: must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 def _strided_overlap(a: Region, b: Region) -> bool:

@@ -24,6 +24,10 @@ class WriterPolicy(str, Enum):
 
     SPREAD = "spread"  # chosen from the block hash: write bandwidth balances across ranks
     FIRST = "first"  # replica 0 always writes: simple, but rank 0 carries the extra load
+    #: The engine picks the saving rank itself (SGLang saves MLA pages from rank 0 only):
+    #: the rank that saves writes every page it holds, so no page waits on a rank that
+    #: will never save it. Pages already stored are still skipped.
+    ALL = "all"
 
     @classmethod
     def parse(cls, value: str | WriterPolicy) -> WriterPolicy:
@@ -334,13 +338,23 @@ def rank_shares(layout: KvLayout, plans: Sequence[PagePlan], rank: int) -> tuple
     return tuple(shares)
 
 
+def writes(share: RankShare, block_hash: bytes, policy: WriterPolicy) -> bool:
+    """Whether the rank holding ``share`` is a designated writer of this block's page."""
+    if policy is WriterPolicy.ALL:
+        return True
+    return writer_replica(block_hash, share.dup, policy) == share.replica_index
+
+
 def writer_replica(block_hash: bytes, dup: int, policy: WriterPolicy) -> int:
-    """The replica index that writes a page of this block.
+    """The replica index that writes a page of this block (``spread`` and ``first``).
+
+    Under ``all`` every replica that saves writes; this names replica 0, the one that
+    ``first`` would pick, for callers that need a single index.
 
     The block hash is already a uniform cryptographic digest, so its low bits spread
     blocks evenly over replicas without another hash.
     """
-    if dup == 1 or policy is WriterPolicy.FIRST:
+    if dup == 1 or policy is not WriterPolicy.SPREAD:
         return 0
     return int.from_bytes(block_hash[:8], "little") % dup
 

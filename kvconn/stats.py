@@ -49,6 +49,12 @@ class ConnectorStats:
                 r.pages += pages
                 r.bytes += pages * nbytes
 
+    def bump(self, counter: str) -> None:
+        """Add one to ``lookups``, ``lookup_errors`` or ``backend_errors``, thread-safely."""
+        assert counter in ("lookups", "lookup_errors", "backend_errors"), counter
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
     def pages(self, event: str) -> int:
         return self.total[event].pages if event in self.total else 0
 

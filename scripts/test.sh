@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on a fresh machine, installing what it needs first:
 # system packages (redis-server, libibverbs1 for Mooncake) when missing, the CPU build
-# of PyTorch, and kvconn with its dev, redis and mooncake extras.
+# of PyTorch, and kvconn with its dev, redis and mooncake extras. Then the engine
+# adapters' suites (noxfile.py), each in its own virtual environment under .nox/,
+# created on the first run and reused after. Arguments go to the core pytest run and
+# skip the engine suites (a targeted run); KVCONN_SKIP_ENGINES=1 skips them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,3 +30,7 @@ fi
 "$PY" -m ruff check .
 "$PY" -m mypy
 "$PY" -m pytest "$@"
+
+if [ "$#" -eq 0 ] && [ "${KVCONN_SKIP_ENGINES:-0}" != 1 ]; then
+    "$PY" -m nox
+fi

@@ -26,7 +26,8 @@ def test_pages_saved_from_a_gpu_pool_load_back_byte_for_byte_into_another():
         Connector(config, layout, rank=rank, pools=[src], backend=store).save(hashes, slots)
     dst = torch.zeros_like(src)
     reader = Connector(config, layout, rank=3, pools=[dst], backend=store)
-    assert reader._staging.take(1)[0].is_pinned()
+    with reader._staging.borrow() as staging:
+        assert staging.take(1)[0].is_pinned()
     assert reader.load(hashes, slots).loaded == 10
     for region in layout.groups[0].regions:
         for s in slots:

@@ -1,4 +1,16 @@
-from kvconn.hashing import ReuseScope, block_hashes, hash_block
+import hashlib
+
+import pytest
+
+from kvconn.errors import ConfigError, InvalidKeyError
+from kvconn.hashing import (
+    DIGEST_SIZE,
+    ReuseScope,
+    adopt_hash,
+    adopt_hashes,
+    block_hashes,
+    hash_block,
+)
 
 
 def test_only_full_blocks_are_hashed():
@@ -47,3 +59,49 @@ def test_scope_fields_cannot_be_confused_by_concatenation():
         ReuseScope(cache_salt="ab", lora_id="c").seed()
         != ReuseScope(cache_salt="a", lora_id="bc").seed()
     )
+
+
+VLLM = [bytes([i]) * 32 for i in range(3)]  # vLLM's 32-byte block hashes
+SGLANG = [hashlib.sha256(bytes([i])).hexdigest() for i in range(3)]  # 64-char hex strings
+
+
+def test_adopted_engine_hashes_have_the_kvconn_digest_size_and_are_deterministic():
+    adopted = adopt_hashes("vllm:sha256", VLLM)
+    assert all(len(h) == DIGEST_SIZE for h in adopted)
+    assert adopted == adopt_hashes("vllm:sha256", VLLM)
+    assert adopted[1] == adopt_hash("vllm:sha256", VLLM[1])
+    assert adopt_hash("sglang:sha256", SGLANG[0]).hex() == (
+        "db4e94a510728dc010d03c1b3ff8a826"
+    )  # a fixed vector: every process and release must agree
+
+
+def test_engine_hashes_that_share_a_prefix_are_not_truncated_into_one_address():
+    a, b = b"\x07" * 16 + b"\x00" * 16, b"\x07" * 16 + b"\x01" * 16
+    assert adopt_hash("vllm:sha256", a) != adopt_hash("vllm:sha256", b)
+    assert adopt_hash("vllm:sha256", a) != a[:DIGEST_SIZE]
+
+
+def test_adopted_hashes_never_meet_kvconn_chain_or_another_scheme():
+    own = block_hashes(list(range(32)), 32)[0]
+    assert adopt_hash("vllm:sha256", own) != own  # a 16-byte engine hash stays apart
+    assert adopt_hash("vllm:sha256", VLLM[0]) != adopt_hash("trtllm:sha256", VLLM[0])
+    # the same text as bytes and as str (hex strings) are different engine hashes
+    assert adopt_hash("x", SGLANG[0]) != adopt_hash("x", SGLANG[0].encode())
+
+
+@pytest.mark.parametrize(
+    ("scheme", "hashes", "error", "message"),
+    [
+        ("kvconn", VLLM, ConfigError, "reserved"),
+        ("VLLM", VLLM, ConfigError, "must be 1-64 characters"),
+        ("vllm/sha", VLLM, ConfigError, "must be 1-64 characters"),
+        ("vllm", [b"short"], InvalidKeyError, "hash 0 has 5 bytes; at least 8"),
+        ("vllm", [VLLM[0], 12345], InvalidKeyError, "hash 1 must be bytes or str, got int"),
+        ("vllm", VLLM[0], InvalidKeyError, "not a single hash"),
+    ],
+)
+def test_bad_schemes_and_engine_hashes_are_refused_naming_the_problem(
+    scheme, hashes, error, message
+):
+    with pytest.raises(error, match=message):
+        adopt_hashes(scheme, hashes)

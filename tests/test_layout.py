@@ -1,3 +1,4 @@
+import json
 from typing import Any
 
 import pytest
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvconn.errors import LayoutError
 from kvconn.layout import KvLayout, LayerGroup, Region, Role, _strided_overlap, shard_position
+from kvconn.plan import plan_pages
 
 
 def layout(regions, *, roles=None, tp=8, pool=10_000, slots=4):
@@ -186,3 +188,44 @@ def test_regions_in_a_set_are_refused_because_their_order_is_the_page_order():
     with pytest.raises(LayoutError, match="regions must be a tuple or list"):
         LayerGroup(0, 4, {_REGION, other})  # type: ignore[arg-type]
     assert LayerGroup(0, 4, [_REGION, other]).regions == (_REGION, other)  # type: ignore[arg-type]
+
+
+def _two_pool_layout() -> KvLayout:
+    roles = (Role("k", 2, "bf16"), Role("v", 2, "bf16"), Role("index_k", 1, "fp8+scale"))
+    groups = (
+        LayerGroup(0, 4, (Region("k", 0, 0, 64, 128, 4), Region("v", 0, 64, 64, 128, 4))),
+        LayerGroup(
+            3, 2, (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)), "swa"
+        ),
+    )
+    return KvLayout(2, 32, roles, groups, (600, 64))
+
+
+def test_a_layout_round_trips_through_json_exactly():
+    original = _two_pool_layout()
+    text = json.dumps(original.to_dict())
+    restored = KvLayout.from_dict(json.loads(text))
+    assert restored == original
+    assert restored.to_dict() == original.to_dict()
+    assert plan_pages(restored) == plan_pages(original)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.pop("tp_size"), r"layout: missing field\(s\) \['tp_size'\]"),
+        (lambda d: d.update(pools=[1]), r"unknown field\(s\) \['pools'\]"),
+        (lambda d: d.update(version=2), "version 2 is not 1"),
+        (lambda d: d.update(groups={}), "layout.groups: must be a list"),
+        (lambda d: d["roles"][0].update(units="2"), "units must be an int"),
+        (lambda d: d["groups"][1]["regions"][0].pop("pool"), r"regions\[0\]: missing.*'pool'"),
+        (lambda d: d["groups"][0]["regions"][1].update(base=32), "overlaps"),
+        (lambda d: d["groups"][1].update(name=None), r"groups\[1\]: name must be a string"),
+        (lambda d: d.update(roles=[1]), r"layout.roles\[0\]: must be an object"),
+    ],
+)
+def test_a_layout_dict_is_validated_on_the_way_in(edit, message):
+    data = json.loads(json.dumps(_two_pool_layout().to_dict()))
+    edit(data)
+    with pytest.raises(LayoutError, match=message):
+        KvLayout.from_dict(data)

@@ -12,6 +12,7 @@ from kvconn.plan import (
     rank_shares,
     share_key,
     writer_replica,
+    writes,
 )
 from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
 
@@ -180,3 +181,14 @@ def test_first_policy_always_picks_replica_zero_and_spread_uses_all():
 def test_an_unknown_writer_policy_names_the_choices():
     with pytest.raises(ConfigError, match="choose one of: spread, first"):
         WriterPolicy.parse("rank0")
+
+
+def test_under_the_all_policy_every_replica_is_a_writer_of_every_block():
+    layout = minimax_m3(tp_size=8)
+    plans = plan_pages(layout)
+    for rank in range(8):
+        for share in rank_shares(layout, plans, rank):
+            assert all(writes(share, h, WriterPolicy.ALL) for h in H)
+    replicated = [rank_shares(layout, plans, r)[-1] for r in range(8)]
+    for h in H:  # under spread, exactly one of the 8 replicas writes
+        assert sum(writes(s, h, WriterPolicy.SPREAD) for s in replicated) == 1

