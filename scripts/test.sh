@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on a fresh machine, installing what it needs first:
-# system packages (redis-server, libibverbs1 for Mooncake) when missing, the CPU build
-# of PyTorch, and kvconn with its dev, redis and mooncake extras.
+# system packages (redis-server, libibverbs1 for Mooncake; g++ and libssl-dev for the
+# hash extension SGLang builds) when missing, the CPU build of PyTorch, and kvconn with
+# its dev, redis and mooncake extras. The engine adapters' tests then run in their own
+# environments (noxfile.py), which nox creates on first use and reuses after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +12,8 @@ if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then missing+=(libibverbs1); fi
+command -v g++ >/dev/null || missing+=(g++)
+[ -e /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing system packages: ${missing[*]}"
     $SUDO apt-get update -qq
@@ -26,3 +30,4 @@ fi
 "$PY" -m ruff check .
 "$PY" -m mypy
 "$PY" -m pytest "$@"
+"$PY" -m nox
