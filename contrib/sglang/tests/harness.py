@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -30,6 +29,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvconn.testing.ranks import run_ranks
 
 WORLD = 2
 #: Seconds any single wait on a controller queue may take before the case fails.
@@ -117,50 +118,19 @@ def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[list[dict
     in that rank's result under ``error``; the harness stops by itself after
     ``timeout_s`` and kills its processes.
     """
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    port = free_port()
     model_root = tempfile.mkdtemp(prefix="kvconn-sglang-models-")
-    model_dirs = []
-    for i, case in enumerate(cases):
-        model_dirs.append(os.path.join(model_root, str(i)))
-        _write_model_config(model_dirs[-1], case)
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, port, model_dirs, list(cases), results),
-            daemon=True,
-        )
-        for rank in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, list[dict[str, Any]]] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(out) < WORLD:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the SGLang ranks did not finish in {timeout_s:.0f}s")
-            try:
-                rank, payload = results.get(timeout=min(left, 5.0))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"an SGLang rank died with exit code {dead[0].exitcode}"
-                    ) from None
-                continue
-            if isinstance(payload, str):
-                raise RuntimeError(f"rank {rank} failed to start:\n{payload}")
-            out[rank] = payload
+        model_dirs = []
+        for i, case in enumerate(cases):
+            model_dirs.append(os.path.join(model_root, str(i)))
+            _write_model_config(model_dirs[-1], case)
+        args = (free_port(), model_dirs, list(cases))
+        out = run_ranks(_rank_main, WORLD, args, timeout_s=timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
         shutil.rmtree(model_root, ignore_errors=True)
+    for rank, payload in enumerate(out):
+        if isinstance(payload, str):
+            raise RuntimeError(f"rank {rank} failed to start:\n{payload}")
     return [[out[r][i] for r in range(WORLD)] for i in range(len(cases))]
 
 
