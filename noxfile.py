@@ -1,9 +1,10 @@
-"""Engine adapters' tests, each in its own virtual environment.
+"""Engine test environments: one virtual environment per engine, because engines pin
+conflicting packages (and neither belongs in kvconn's own environment).
 
-Engines pin packages that conflict with each other (and SGLang's own requirements would
-pull a CUDA build of torch), so every engine gets a session of its own with exactly the
-packages its tests import; ``scripts/test.sh`` runs them after the main suite. One
-function per engine: ``nox -s sglang`` runs one.
+``nox`` runs every engine session; ``scripts/test.sh`` calls it after the core suite.
+A session installs its environment once and reuses it while its requirements file is
+unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
+runs the tests. ``nox -s sglang -- -k evicted`` passes arguments to pytest.
 """
 
 from __future__ import annotations
@@ -13,34 +14,34 @@ from pathlib import Path
 
 import nox
 
+nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
 ROOT = Path(__file__).parent
-#: The CPU build on this project's machines; a plain ``torch`` resolves a CUDA build.
+#: The CPU build of torch every engine here pins. Installed first and on its own: a
+#: plain ``pip install torch`` (or letting an engine resolve it) pulls a CUDA build.
 TORCH = "torch==2.13.0"
 
 
-def _install_once(session: nox.Session, requirements: Path, *extra: str) -> None:
-    """Install torch, the engine's pinned no-deps set and kvconn, unless already done.
-
-    A reused environment whose inputs are unchanged is not reinstalled: resolving ~60
-    pinned wheels again costs longer than the tests.
-    """
-    inputs = [TORCH, requirements.read_text(), (ROOT / "pyproject.toml").read_text(), *extra]
-    digest = hashlib.sha256("\0".join(inputs).encode()).hexdigest()
-    stamp = Path(session.virtualenv.location) / ".kvconn-installed"
+def _install_once(session: nox.Session, requirements: Path) -> None:
+    """Install torch, the engine's packages (no dependency resolution) and kvconn."""
+    # kvconn is installed editable: only its packaging (pyproject.toml) can go stale
+    inputs = requirements.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + TORCH.encode()
+    digest = hashlib.sha256(inputs).hexdigest()
+    stamp = Path(session.virtualenv.location) / ".kvconn-requirements"
     if stamp.exists() and stamp.read_text() == digest:
+        session.log("environment up to date (%s)", stamp)
         return
-    session.install(TORCH)
-    session.install("--no-deps", "-r", str(requirements))
-    session.install("-e", str(ROOT), "pytest", *extra)
+    session.install("-q", TORCH)
+    session.install("-q", "--no-deps", "-r", str(requirements))
+    session.install("-q", "--no-deps", "-e", str(ROOT))
     stamp.write_text(digest)
 
 
-@nox.session
+@nox.session(python=None)  # the interpreter running nox
 def sglang(session: nox.Session) -> None:
-    """kvconn as SGLang's HiCache L3 storage, under SGLang 0.5.23's real controller."""
+    """SGLang 0.5.23: contrib/sglang/tests, under SGLang's real HiCacheController on CPU."""
     _install_once(session, ROOT / "contrib/sglang/requirements.txt")
     session.run(
         "python",
@@ -48,6 +49,7 @@ def sglang(session: nox.Session) -> None:
         "pytest",
         "-p",
         "no:cacheprovider",
-        "contrib/sglang/tests",
+        str(ROOT / "contrib/sglang/tests"),
         *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
     )

@@ -2,8 +2,10 @@
 # Runs the whole test suite on a fresh machine, installing what it needs first:
 # system packages (redis-server, libibverbs1 for Mooncake; g++ and libssl-dev for the
 # hash extension SGLang builds) when missing, the CPU build of PyTorch, and kvconn with
-# its dev, redis and mooncake extras. The engine adapters' tests then run in their own
-# environments (noxfile.py), which nox creates on first use and reuses after.
+# its dev, redis and mooncake extras. Then the engine adapters' suites (noxfile.py), each
+# in its own virtual environment under .nox/, created on the first run and reused after.
+# Arguments go to the core pytest run and skip the engine suites (a targeted run);
+# KVCONN_SKIP_ENGINES=1 skips them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,4 +32,7 @@ fi
 "$PY" -m ruff check .
 "$PY" -m mypy
 "$PY" -m pytest "$@"
-"$PY" -m nox
+
+if [ "$#" -eq 0 ] && [ "${KVCONN_SKIP_ENGINES:-0}" != 1 ]; then
+    "$PY" -m nox
+fi

@@ -48,7 +48,7 @@ log = logging.getLogger("kvconn.sglang")
 HASH_SCHEME = "sglang:sha256"
 
 
-class KvconnHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+class KvconnHiCacheStorage(HiCacheStorage):
     """One TP rank's HiCache L3 store, backed by any kvconn backend."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:

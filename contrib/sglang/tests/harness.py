@@ -90,10 +90,9 @@ class EvictPage:
     def __call__(self, rank: int, storage: Any, page_hashes: list[str]) -> None:
         if rank != 0:
             return
-        from kvconn_sglang.storage import HASH_SCHEME
-
         from kvconn.hashing import adopt_hashes
         from kvconn.plan import lookup_keys
+        from kvconn_sglang.storage import HASH_SCHEME
 
         conn = storage.connector
         digest = adopt_hashes(HASH_SCHEME, [page_hashes[self.block]])

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
-from kvconn_sglang.settings import AdapterSettings
-from kvconn_sglang.storage import KvconnHiCacheStorage, _every_rank_saves, _shape_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
+from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
+from kvconn_sglang.settings import AdapterSettings
+from kvconn_sglang.storage import KvconnHiCacheStorage, _every_rank_saves, _shape_of
 
 V1 = {"interface_v1": 1, "kvconn": {"backend": "lmdb"}}
 

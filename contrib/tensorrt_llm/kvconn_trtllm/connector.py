@@ -86,7 +86,7 @@ def _tokens_per_block(llm_args: Any) -> int:
 
 
 # ------------------------------------------------------------------------ worker
-class KvconnWorker(KvCacheConnectorWorker):  # type: ignore[misc]
+class KvconnWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self.rank, self.tp_size = _tp(llm_args)
@@ -159,7 +159,7 @@ class _Request:
     pending_load: Transfer | None = None
 
 
-class KvconnScheduler(KvCacheConnectorScheduler):  # type: ignore[misc]
+class KvconnScheduler(KvCacheConnectorScheduler):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         _, self.tp_size = _tp(llm_args)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvconn_trtllm import connector
-from kvconn_trtllm.layout import describe_pool
-from kvconn_trtllm.settings import TrtllmSettings
 from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs
 
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
+from kvconn_trtllm import connector
+from kvconn_trtllm.layout import describe_pool
+from kvconn_trtllm.settings import TrtllmSettings
 
 
 def write(tmp_path, text):
