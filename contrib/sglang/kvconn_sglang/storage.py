@@ -91,6 +91,20 @@ class KvconnHiCacheStorage(HiCacheStorage):
             "spread over replicas" if self.every_rank_saves else "this rank writes all",
         )
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Hybrid controllers register every pool of their group here, KV included.
+
+        Only the KV pool is stored; a side pool (DeepSeek-V3.2's indexer, Mamba or SWA
+        state) would need the v2 calls, which this backend does not provide, so it is
+        refused at attach rather than read as a miss on every request.
+        """
+        if str(host_pool_name) != "kv":
+            raise ConfigError(
+                f"the kvconn HiCache backend stores only the KV pool; this model also has "
+                f"the {str(host_pool_name)!r} pool, which needs SGLang's v2 storage calls"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def _kv_units(self, shape: HostPoolShape) -> int:
         tp = self.storage_config.tp_size
         if shape.kind != "mha":

@@ -161,3 +161,10 @@ def test_transfers_before_a_host_pool_is_registered_are_refused():
 def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
     with pytest.raises(LayoutError, match="dict"):
         _shape_of({})
+
+
+def test_a_side_pool_needing_the_v2_calls_is_refused_at_attach():
+    storage = KvconnHiCacheStorage(storage_config())
+    storage.register_mem_host_pool_v2(object(), "kv")  # hybrid controllers register KV too
+    with pytest.raises(ConfigError, match="'indexer' pool"):
+        storage.register_mem_host_pool_v2(object(), "indexer")

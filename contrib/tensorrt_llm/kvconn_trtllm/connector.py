@@ -5,7 +5,8 @@ stand-in of that interface (contrib/tensorrt_llm/tests/standin): see
 docs/engines/tensorrt-llm.md before relying on it.
 
 Scheduler (rank 0, no KV tensors): ``get_num_new_matched_tokens`` hashes the request's
-full blocks with kvconn's own chain and answers from one ``lookup``; the hit becomes a
+full blocks with kvconn's own chain (scoped by its LoRA task; requests with multimodal
+inputs are left alone) and answers from one ``lookup``; the hit becomes a
 load in the next step's metadata, which TensorRT-LLM broadcasts to every rank. Blocks
 that a step completes become saves. Loads and saves are synchronous: loads happen in
 ``start_load_kv`` before the forward pass, saves in ``wait_for_save`` after it.
@@ -35,7 +36,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
 
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError, KvconnError
-from kvconn.hashing import block_hashes
+from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.layout import KvLayout
 from kvconn_trtllm.layout import describe_pool
 from kvconn_trtllm.settings import TrtllmSettings
@@ -183,8 +184,13 @@ class KvconnScheduler(KvCacheConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if getattr(request, "multimodal_hashes", None):
+            # placeholder tokens look alike across images: never look up nor save these
+            return 0, False
         tokens = list(request.get_tokens(0))
-        hashes = block_hashes(tokens, self.tokens_per_block)
+        lora = getattr(request, "lora_task_id", None)
+        scope = ReuseScope(lora_id=None if lora is None else str(lora))
+        hashes = block_hashes(tokens, self.tokens_per_block, scope)
         state = _Request(hashes)
         self._requests[request.request_id] = state
         # at least one prompt token must be computed for the request to produce logits

@@ -32,6 +32,8 @@ class Scenario:
     """A model shape, a TP width and the prompts to serve one after the other."""
 
     prompts: tuple[tuple[int, ...], ...]
+    #: the LoRA task of each prompt (None: the base model)
+    loras: tuple[int | None, ...] = ()
     tp: int = 2
     layers: int = 2
     kv_factor: int = 2  # 1: MLA
@@ -58,16 +60,25 @@ class _Request:
 
     request_id: int
     tokens: list[int]
+    lora_task_id: int | None = None
 
     def get_tokens(self, beam: int) -> list[int]:
         return list(self.tokens)
 
 
-def run(scenario: Scenario, timeout_s: float = 180.0) -> list[dict[str, Any]]:
-    """Serve the scenario's prompts; one result dict per rank."""
+def run(scenarios: Sequence[Scenario], timeout_s: float = 300.0) -> list[list[dict[str, Any]]]:
+    """Serve each scenario's prompts in turn in one TP group; results[scenario][rank].
+
+    One group serves every scenario (each with its own pool, worker and scheduler),
+    because starting the processes costs more than a scenario.
+    """
+    tp = scenarios[0].tp
+    if any(sc.tp != tp for sc in scenarios):
+        raise ValueError("every scenario of one run has the same TP width")
     ctx = mp.get_context("spawn")
-    channels = [ctx.Queue() for _ in range(scenario.tp)]
-    return run_ranks(_rank_main, scenario.tp, (scenario, channels), timeout_s=timeout_s)
+    channels = [ctx.Queue() for _ in range(tp)]
+    by_rank = run_ranks(_rank_main, tp, (list(scenarios), channels), timeout_s=timeout_s)
+    return [[by_rank[r][i] for r in range(tp)] for i in range(len(scenarios))]
 
 
 def block_bytes(scenario: Scenario, block_hash: bytes, shard: int, numel: int) -> Any:
@@ -79,14 +90,19 @@ def block_bytes(scenario: Scenario, block_hash: bytes, shard: int, numel: int) -
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
 
 
-def _rank_main(rank: int, scenario: Scenario, channels: list[Any], results: Any) -> None:
-    try:
-        os.environ.update(scenario.env)
-        os.environ["TRTLLM_STANDIN_RANK"] = str(rank)
-        sys.path.insert(0, STANDIN)
-        results.put((rank, _serve(rank, scenario, channels)))
-    except BaseException:
-        results.put((rank, {"rank": rank, "error": traceback.format_exc()}))
+def _rank_main(rank: int, scenarios: list[Scenario], channels: list[Any], results: Any) -> None:
+    os.environ["TRTLLM_STANDIN_RANK"] = str(rank)
+    sys.path.insert(0, STANDIN)
+    base_env = dict(os.environ)
+    out = []
+    for scenario in scenarios:
+        os.environ.clear()
+        os.environ.update(base_env | scenario.env)
+        try:
+            out.append(_serve(rank, scenario, channels))
+        except BaseException:
+            out.append({"rank": rank, "error": traceback.format_exc()})
+    results.put((rank, out))
 
 
 def _serve(rank: int, sc: Scenario, channels: list[Any]) -> dict[str, Any]:
@@ -94,7 +110,7 @@ def _serve(rank: int, sc: Scenario, channels: list[Any]) -> dict[str, Any]:
     from tensorrt_llm._torch.pyexecutor.kv_cache_connector import RequestData, SchedulerOutput
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
-    from kvconn.hashing import block_hashes
+    from kvconn.hashing import ReuseScope, block_hashes
 
     args = TorchLlmArgs(
         model="org/stand-in-model",
@@ -118,8 +134,10 @@ def _serve(rank: int, sc: Scenario, channels: list[Any]) -> dict[str, Any]:
     shard = sc.shard_of(rank)
     report: dict[str, Any] = {"rank": rank, "requests": []}
     for i, prompt in enumerate(sc.prompts):
-        request = _Request(i, list(prompt))
-        hashes = block_hashes(list(prompt), tpb)
+        lora = sc.loras[i] if i < len(sc.loras) else None
+        request = _Request(i, list(prompt), lora)
+        scope = ReuseScope(lora_id=None if lora is None else str(lora))
+        hashes = block_hashes(list(prompt), tpb, scope)
         n_blocks = -(-len(prompt) // tpb)
         if scheduler is not None:
             matched, is_async = scheduler.get_num_new_matched_tokens(request, 0)
@@ -175,6 +193,9 @@ def _serve(rank: int, sc: Scenario, channels: list[Any]) -> dict[str, Any]:
         pool.zero_()  # nothing survives in the pool: the next request reads the store
         report["requests"].append(entry)
     report["kvconn"] = worker.connector.stats.snapshot()
+    worker.connector.close()
+    if scheduler is not None and scheduler._lookup is not None:
+        scheduler._lookup.close()
     return report
 
 
@@ -212,8 +233,4 @@ def stored_components(store: str) -> dict[str, int]:
     return dict(Counter(p for p in parts if p != "_layout"))
 
 
-def prompts(*lengths: int, base: int = 1000) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(range(base, base + n)) for n in lengths)
-
-
-__all__: Sequence[str] = ["Scenario", "prompts", "run", "stored_components"]
+__all__: Sequence[str] = ["Scenario", "run", "stored_components"]

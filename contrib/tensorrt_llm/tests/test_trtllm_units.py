@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensorrt_llm._torch.pyexecutor.kv_cache_connector import RequestData, SchedulerOutput
 from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs
 
 from kvconn.errors import ConfigError, LayoutError
@@ -99,3 +100,20 @@ def test_a_scheduler_without_a_worker_in_its_process_says_where_it_must_run(monk
 
     with pytest.raises(ConfigError, match="rank 0"):
         scheduler.get_num_new_matched_tokens(Request(), 0)
+
+
+def test_a_request_with_multimodal_inputs_is_neither_looked_up_nor_saved(monkeypatch):
+    monkeypatch.setattr(connector, "_published_layout", None)  # a lookup would raise
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
+    scheduler = connector.KvconnScheduler(args)
+
+    class Request:
+        request_id = 3
+        multimodal_hashes = [[1, 2, 3]]
+
+        def get_tokens(self, beam):
+            return list(range(40))
+
+    assert scheduler.get_num_new_matched_tokens(Request(), 0) == (0, False)
+    output = SchedulerOutput(new_requests=[RequestData(3, list(range(40)), list(range(10)), 0, 40)])
+    assert scheduler.build_connector_meta(output).saves == []
