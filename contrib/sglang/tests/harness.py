@@ -360,10 +360,22 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         result["failed_pages_untouched"] = untouched
         connector = getattr(storage, "connector", None)
         result["kvconn"] = connector.stats.snapshot() if connector is not None else None
+        if connector is not None:
+            result["first_page_key"] = _first_page_key(connector, hashes[0])
     finally:
         controller.detach_storage_backend()
     result["seconds"] = round(time.monotonic() - started, 2)
     return result
+
+
+def _first_page_key(connector: Any, page_hash: str) -> str:
+    """The store key of this rank's page of the first block."""
+    from kvconn.hashing import adopt_hashes
+    from kvconn.plan import share_key
+    from kvconn_sglang.storage import HASH_SCHEME
+
+    (digest,) = adopt_hashes(HASH_SCHEME, [page_hash])
+    return str(share_key(connector.prefix, connector.shares[0], digest))
 
 
 def _hit_query(controller: Any, rid: str, tokens: list[int]) -> tuple[Any, int]:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import WORLD, Case, EvictPage, run_cases
+import torch
+from harness import WORLD, Case, EvictPage, expected_page, run_cases
 
 from kvconn.registry import load_backend
 
@@ -71,6 +72,18 @@ def stored_pages(runs: dict[str, Any], name: str) -> Counter[str]:
     finally:
         backend.close()
     return Counter(c for c in components if c != "_layout")
+
+
+def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
+    backend = load_backend("lmdb", {"path": str(runs["_root"] / name)})
+    try:
+        buffer = bytearray(1 << 20)
+        (size,) = [n for k, n in backend.list_keys(key) if k == key]
+        view = memoryview(buffer)[:size]
+        assert backend.get([key], [view]) == [True]
+        return bytes(view)
+    finally:
+        backend.close()
 
 
 def written(rank_result: dict[str, Any]) -> int:
@@ -134,3 +147,17 @@ def test_a_page_evicted_between_exists_and_get_is_a_failed_load_on_every_rank(ru
     # rank 1 read the missing page: it reports block 3 and after as failed, unwritten
     assert rank1["kvconn"]["total"]["failed"]["pages"] == PAGES - 3
     assert rank1["failed_pages_untouched"] == [True] * (PAGES - 3)
+
+
+@pytest.mark.parametrize("name", ["mha-layer-first", "mha-page-first", "mla-layer-first"])
+def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
+    for r in runs[name]:
+        case = Case(**r["case"])
+        dtype = getattr(torch, case.dtype)
+        # what SGLang's get_data_page(flat=True) holds, and its file backend would store
+        shape = (case.layers, case.page_size, case.kv_lora_rank + case.rope_dim)
+        if case.model == "mha":
+            shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
+        numel = int(torch.tensor(shape).prod())
+        want = expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype)
+        assert stored_value(runs, name, r["first_page_key"]) == bytes(want.numpy())
