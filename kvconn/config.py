@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvconn.errors import ConfigError
+from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
+from kvconn.integrity import PageChecksum
 from kvconn.keys import key_part
 from kvconn.plan import WriterPolicy
 from kvconn.redaction import redact_options
@@ -57,6 +59,9 @@ class ConnectorConfig:
     #: After a backend error, calls within this many seconds skip the backend entirely,
     #: so a dead server costs the serving loop one timeout, not one per request.
     retry_interval_s: float = 1.0
+    #: The checksum stored after every page and verified on load (``"xxh3-64"``), or
+    #: ``"none"``. Part of every key: every process sharing pages must agree on it.
+    checksum: str = DEFAULT_CHECKSUM
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -87,6 +92,7 @@ class ConnectorConfig:
                 f"staging_bytes must be an int between 1 and {MAX_STAGING_BYTES} (1 TiB), "
                 f"got {self.staging_bytes!r}"
             )
+        PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
         if (
             isinstance(self.retry_interval_s, bool)
             or not isinstance(self.retry_interval_s, (int, float))

@@ -8,6 +8,10 @@ It applies DESIGN.md's rules in one place:
   those already stored (rule 4);
 * load fills this rank's pool slots with its own shard's pages and the replicated ones,
   and reports the first block that failed and every later one (rule 5);
+* every stored value is the page and a checksum seeded by its key (kvconn.integrity),
+  sealed on save and verified on load before any byte reaches a slot; a stored page
+  that fails it, or that is stored but cannot be read (a value of the wrong size), is
+  deleted so that the next lookup misses it and the next save rewrites it;
 * backend errors become misses and dropped saves, counted and logged, never exceptions
   into the serving loop (rule 6);
 * the first save that reaches the store also puts the layout manifest of every page kind
@@ -30,6 +34,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -127,7 +132,7 @@ class Connector:
         self.config = config
         self.layout = layout
         self.rank = rank
-        self.plans: tuple[PagePlan, ...] = plan_pages(layout)
+        self.plans: tuple[PagePlan, ...] = plan_pages(layout, config.checksum)
         self.shares: tuple[RankShare, ...] = rank_shares(layout, self.plans, rank)
         self.prefix = key_prefix(config.namespace, config.model)
         # One manifest per page kind (two plans never share a group and fingerprint: the
@@ -148,6 +153,7 @@ class Connector:
         self._scratch_reads = _takes_keyword(self.backend.get, "scratch")
         self._down_until = 0.0
         self._down = False
+        self._corruption_reported = False
         #: Guards back-off and manifest state; never held across a backend call.
         self._state_lock = threading.Lock()
         self._backend_guard = _call_guard(self.backend)
@@ -313,7 +319,7 @@ class Connector:
             skipped_here = len(keys) - len(todo)
             self.stats.add("skipped", plan, skipped_here)
             skipped += skipped_here
-            chunk = self._chunk_blocks(plan.page_size)
+            chunk = self._chunk_blocks(plan.value_size)
             for start in range(0, len(todo), chunk):
                 part = todo[start : start + chunk]
                 ok = self._put_pages(s, movers[s], slot_map, part, staging)
@@ -360,31 +366,45 @@ class Connector:
         staging: Staging,
     ) -> int:
         plan = self.shares[s].plan
-        n, size = len(part), plan.page_size
-        buffer, view = staging.take(n * size)
-        pages = buffer[: n * size].view(n, size)
+        n, row = len(part), plan.value_size
+        buffer, view = staging.take(n * row)
         index = slot_map[plan.group][torch.tensor([b for b, _ in part], dtype=torch.long)]
-        mover.gather(index.to(self._device), pages)
-        self._sync()
-        values = [view[i * size : (i + 1) * size] for i in range(n)]
+        self._gather_rows(mover, index, buffer[: n * row].view(n, row), plan.page_size)
+        values = [view[i * row : (i + 1) * row] for i in range(n)]
         keys = [k for _, k in part]
+        plan.checksum.seal(values, keys)
         try:
             return sum(self._call("put", lambda: self.backend.put(self._vetted(keys), values)))
         except _Skipped:
             return 0
 
+    def _gather_rows(
+        self, mover: PageMover, index: torch.Tensor, rows: torch.Tensor, size: int
+    ) -> None:
+        """Gather pages into the first ``size`` bytes of each staging row (the rest: the
+        checksum, written after)."""
+        if self._device.type == "cpu" or rows.shape[1] == size:
+            mover.gather(index.to(self._device), rows[:, :size])
+        else:
+            # Gather into rows of the same shape on the device, then copy them whole: a
+            # copy into strided pinned memory would go through a bounce buffer.
+            on_device = torch.empty(rows.shape, dtype=torch.uint8, device=self._device)
+            mover.gather(index.to(self._device), on_device[:, :size])
+            rows.copy_(on_device, non_blocking=True)
+        self._sync()
+
     # ------------------------------------------------------------------ load
     def load(self, block_hashes: Sequence[bytes], slots: Slots) -> LoadResult:
         """Load this rank's pages of a hit prefix into its slots.
 
-        A block is loaded only if every one of its pages arrived whole; the first block
-        that did not, and every block after it, are returned as failed and their slots
-        are not written, so the engine recomputes exactly those.
+        A block is loaded only if every one of its pages arrived whole and passed its
+        checksum; the first block that did not, and every block after it, are returned as
+        failed and their slots are not written, so the engine recomputes exactly those.
         """
         hashes = _check_hashes(block_hashes)
         slot_map = self._slot_map(slots, hashes)
         movers = self._require_pools()
-        per_block = sum(sh.plan.page_size for sh in self.shares)
+        per_block = sum(sh.plan.value_size for sh in self.shares)
         chunk = self._chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
         loaded = 0
         with self._staging.borrow() as staging:
@@ -412,25 +432,29 @@ class Connector:
         n = stop - start
         # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
+        # A value is a row: the page, then its checksum.
         offsets: list[int] = []
         total = 0
         for share in self.shares:
             offsets.append(total)
-            total = _aligned(total + n * share.plan.page_size)
+            total = _aligned(total + n * share.plan.value_size)
         buffer, view = staging.take(total)
         keys: list[str] = []
         buffers: list[memoryview] = []
         for share, offset in zip(self.shares, offsets):
-            size = share.plan.page_size
+            row = share.plan.value_size
             for i in range(n):
                 keys.append(share_key(self.prefix, share, hashes[start + i]))
-                buffers.append(view[offset + i * size : offset + (i + 1) * size])
+                buffers.append(view[offset + i * row : offset + (i + 1) * row])
         # Scratch: staging pages of keys that fail are never scattered (below).
         extra = {"scratch": True} if self._scratch_reads else {}
         try:
-            ok = self._call("get", lambda: self.backend.get(self._vetted(keys), buffers, **extra))
+            arrived = self._call(
+                "get", lambda: self.backend.get(self._vetted(keys), buffers, **extra)
+            )
         except _Skipped:
             return 0
+        ok = self._usable(keys, buffers, arrived, n)
         good = n
         for s in range(len(self.shares)):
             flags = ok[s * n : (s + 1) * n]
@@ -438,13 +462,91 @@ class Connector:
         if good == 0:
             return 0
         for s, share in enumerate(self.shares):
-            size = share.plan.page_size
-            pages = buffer[offsets[s] : offsets[s] + good * size].view(good, size)
+            size, row = share.plan.page_size, share.plan.value_size
+            rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
+            if rows.device != self._device:  # whole rows: one contiguous host-to-device copy
+                rows = rows.to(self._device, non_blocking=True)
             index = slot_map[share.plan.group][start : start + good]
-            movers[s].scatter(index.to(self._device), pages)
+            movers[s].scatter(index.to(self._device), rows[:, :size])
             self.stats.add("loaded", share.plan, good)
         self._sync()
         return good
+
+    def _usable(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], arrived: Sequence[bool], n: int
+    ) -> list[bool]:
+        """Per page of a get (``n`` per page kind), whether it arrived whole and verified.
+
+        Every page that arrived is verified, also after the first failure: a bad page
+        found now is repaired now, before the save that follows the engine's recompute
+        would skip it as already stored.
+        """
+        usable = list(arrived)
+        damaged: dict[str, PagePlan] = {}
+        unread: dict[str, PagePlan] = {}
+        for s, share in enumerate(self.shares):
+            here = range(s * n, (s + 1) * n)
+            got = [i for i in here if arrived[i]]
+            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+            for i, verified in zip(got, checks):
+                if not verified:
+                    usable[i] = False
+                    damaged[keys[i]] = share.plan
+            unread.update((keys[i], share.plan) for i in here if not arrived[i])
+        if damaged or unread:
+            self._repair(damaged, unread)
+        return usable
+
+    def _repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
+        """Delete stored pages that cannot be loaded, so the next save rewrites them.
+
+        ``damaged`` pages arrived with a wrong checksum. ``unread`` ones did not arrive:
+        those still stored are unreadable (a value of the wrong size), the others were
+        evicted since the lookup, which is no fault of theirs. A backend error while
+        asking or deleting is a backend error (counted, backed off), never corruption.
+        Without ``Capabilities.delete`` the pages are counted and logged, and fail until
+        the store drops them: a put never overwrites.
+        """
+        if unread:
+            asked = list(unread)
+            try:
+                stored = self._call("exists", lambda: self.backend.exists(self._vetted(asked)))
+            except _Skipped:
+                stored = [False] * len(asked)
+            damaged.update((k, unread[k]) for k, there in zip(asked, stored) if there)
+        if not damaged:
+            return
+        for plan, count in Counter(damaged.values()).items():
+            self.stats.add("corrupt", plan, count)
+        keys = list(damaged)
+        can_delete = self.backend.capabilities.delete
+        self._report_corruption(keys, can_delete)
+        if not can_delete:
+            return
+        try:
+            deleted = self._call("delete", lambda: self.backend.delete(self._vetted(keys)))
+        except _Skipped:
+            return
+        for plan, count in Counter(damaged[k] for k, gone in zip(keys, deleted) if gone).items():
+            self.stats.add("repaired", plan, count)
+
+    def _report_corruption(self, keys: Sequence[str], can_delete: bool) -> None:
+        """A warning the first time, then debug: the ``corrupt`` counter keeps the count."""
+        with self._state_lock:
+            first, self._corruption_reported = not self._corruption_reported, True
+        what = (
+            "deleting them so the next save rewrites them"
+            if can_delete
+            else f"the {self.backend.name!r} backend cannot delete, so they fail until the "
+            "store drops them"
+        )
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "kvconn: %d stored page(s) failed their checksum or could not be read (first: %s); %s",
+            len(keys),
+            keys[0],
+            what,
+        )
 
     # ------------------------------------------------------------------ helpers
     def _call(self, op: str, fn: Callable[[], T]) -> T:

@@ -142,13 +142,19 @@ class PageMover:
     def gather(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the pages of ``slots`` into ``out`` (``[len(slots), page_size]`` uint8).
 
+        ``out``'s rows may be spaced wider than a page (``out = rows[:, :page_size]``,
+        each staging row ending in the page's checksum): ``index_select`` writes such a
+        strided view in place, at 0.75-0.95x the speed of a contiguous one, where
+        gathering contiguously and copying into the rows would move every byte twice
+        (0.4x; ``benchmarks/bench_integrity.py --gather``).
+
         ``out`` may live on another device than the pool (pinned host staging for a
         CUDA pool); the copy then happens once per run, after the gather on the device.
         """
         same_device = out.device == self.device
         for i, view in enumerate(self._views):
             dst = self._page_bytes(out, i)
-            if same_device and dst.is_contiguous():
+            if same_device:
                 words = self._as_words(dst, i, writable=True)
                 if words is not None:
                     torch.index_select(view, 0, slots, out=words)
@@ -157,7 +163,10 @@ class PageMover:
             dst.copy_(picked.view(torch.uint8), non_blocking=True)
 
     def scatter(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        """Write ``pages`` (``[len(slots), page_size]``) into the pool slots ``slots``."""
+        """Write ``pages`` (``[len(slots), page_size]``) into the pool slots ``slots``.
+
+        Like ``gather``'s ``out``, ``pages`` may be a strided view of wider rows.
+        """
         if pages.device != self.device:
             pages = pages.to(self.device, non_blocking=True)
         host_slots = slots.numpy() if self._host_views is not None else None

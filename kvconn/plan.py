@@ -15,6 +15,9 @@ from enum import Enum
 from typing import Any
 
 from kvconn.errors import ConfigError, KvconnError
+from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
+from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
+from kvconn.integrity import PageChecksum
 from kvconn.keys import page_key, shard_component
 from kvconn.layout import KvLayout, Region, shard_position
 
@@ -69,8 +72,9 @@ class ManifestError(KvconnError, ValueError):
 
 
 #: Version of the page description: hashed into every fingerprint as ``"v"`` and written
-#: as ``"version"`` in every manifest. A new version changes every key.
-LAYOUT_VERSION = 1
+#: as ``"version"`` in every manifest. A new version changes every key. Version 2 added
+#: the checksum trailer (``checksum``): stores of version 1 read as misses.
+LAYOUT_VERSION = 2
 
 _CLASS_LABEL = re.compile(r"^(?:replicated|w([1-9][0-9]*))$")
 _MANIFEST_FIELDS = {
@@ -79,6 +83,8 @@ _MANIFEST_FIELDS = {
     "shard_class",
     "num_shards",
     "page_size",
+    "checksum",
+    "value_size",
     "roles",
     "regions",
 }
@@ -91,7 +97,7 @@ class PageManifest:
 
     The fingerprint hashes :meth:`meaning`; the manifest stored under
     :func:`kvconn.keys.manifest_key` is :meth:`document`, which is the same facts plus
-    sizes derived from them (``num_shards``, ``page_size``, each role's
+    sizes derived from them (``num_shards``, ``page_size``, ``value_size``, each role's
     ``bytes_per_page``). Both come from this one object, so they cannot disagree, and a
     manifest read back from a store is checked by recomputing its fingerprint.
     """
@@ -100,6 +106,9 @@ class PageManifest:
     shard_class: str  # ``replicated`` or ``w<num_shards>``
     roles: tuple[tuple[str, int, str], ...]  # (name, units, dtype), sorted by name
     regions: tuple[tuple[int, str, int], ...]  # (layer, role, size), in page order
+    #: The trailer after each page (:mod:`kvconn.integrity`): what a stored value holds
+    #: besides the page, so it changes the key like any other change of the bytes.
+    checksum: str = DEFAULT_CHECKSUM
     version: int = LAYOUT_VERSION
 
     @property
@@ -109,7 +118,13 @@ class PageManifest:
 
     @property
     def page_size(self) -> int:
+        """Payload bytes of a page: what it holds of the pool (``b<bytes>`` in its key)."""
         return sum(size for _, _, size in self.regions)
+
+    @property
+    def value_size(self) -> int:
+        """Bytes of a stored value: the page and its checksum trailer."""
+        return self.page_size + CHECKSUM_SCHEMES[self.checksum]
 
     @property
     def role_bytes(self) -> dict[str, int]:
@@ -127,6 +142,7 @@ class PageManifest:
             "class": self.shard_class,
             "roles": {name: [units, dtype] for name, units, dtype in self.roles},
             "regions": [[layer, role, size] for layer, role, size in self.regions],
+            "checksum": self.checksum,
         }
 
     @property
@@ -148,6 +164,8 @@ class PageManifest:
             "shard_class": self.shard_class,
             "num_shards": self.num_shards,
             "page_size": self.page_size,
+            "checksum": self.checksum,
+            "value_size": self.value_size,
             "roles": {
                 name: {"units": units, "dtype": dtype, "bytes_per_page": role_bytes[name]}
                 for name, units, dtype in self.roles
@@ -174,6 +192,11 @@ class PageManifest:
             raise ManifestError(f"not JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise ManifestError(f"not a JSON object: {type(doc).__name__}")
+        if doc.get("version") == 1:
+            raise ManifestError(
+                "layout version 1, written by a kvconn without page checksums: "
+                "its pages are no longer read (they read as misses)"
+            )
         if set(doc) != _MANIFEST_FIELDS:
             missing = sorted(_MANIFEST_FIELDS - set(doc))
             extra = sorted(set(doc) - _MANIFEST_FIELDS)
@@ -197,6 +220,11 @@ class PageManifest:
             if not isinstance(dtype, str) or not dtype:
                 raise ManifestError(f"role {name!r}: dtype must be a non-empty string")
             roles.append((name, _json_int(spec["units"], f"{name}.units", minimum=1), dtype))
+        checksum = doc["checksum"]
+        if not isinstance(checksum, str) or checksum not in CHECKSUM_SCHEMES:
+            raise ManifestError(
+                f"checksum {checksum!r} is not one of {', '.join(map(repr, CHECKSUM_SCHEMES))}"
+            )
         regions_doc = doc["regions"]
         if not isinstance(regions_doc, list) or not regions_doc:
             raise ManifestError("regions must be a non-empty list")
@@ -216,6 +244,7 @@ class PageManifest:
             shard_class=label,
             roles=tuple(roles),
             regions=tuple(regions),
+            checksum=checksum,
             version=version,
         )
         unused = sorted(set(roles_doc) - {role for _, role, _ in regions})
@@ -228,9 +257,11 @@ class PageManifest:
                 "the replicated class holds exactly the roles with units 1"
             )
         derived = manifest.document()
-        for name in ("num_shards", "page_size"):
+        for name in ("num_shards", "page_size", "value_size"):
             if _json_int(doc[name], name, minimum=1) != derived[name]:
-                raise ManifestError(f"{name} {doc[name]!r}, the regions give {derived[name]}")
+                raise ManifestError(
+                    f"{name} {doc[name]!r}, the page description gives {derived[name]}"
+                )
         for name, spec in roles_doc.items():
             want = derived["roles"][name]["bytes_per_page"]
             if _json_int(spec["bytes_per_page"], f"{name}.bytes_per_page", minimum=1) != want:
@@ -247,7 +278,12 @@ def _json_int(value: object, what: str, *, minimum: int) -> int:
     return value
 
 
-def page_manifest(layout: KvLayout, cls: ShardClass, regions: Sequence[Region]) -> PageManifest:
+def page_manifest(
+    layout: KvLayout,
+    cls: ShardClass,
+    regions: Sequence[Region],
+    checksum: str = DEFAULT_CHECKSUM,
+) -> PageManifest:
     """The description of a page kind; its fingerprint and its stored manifest both derive
     from this, and nothing else.
 
@@ -260,6 +296,7 @@ def page_manifest(layout: KvLayout, cls: ShardClass, regions: Sequence[Region]) 
         shard_class=cls.label,
         roles=tuple((n, layout.role(n).units, layout.role(n).dtype) for n in names),
         regions=tuple((r.layer, r.role, r.size) for r in regions),
+        checksum=PageChecksum(checksum).name,
     )
 
 
@@ -270,23 +307,30 @@ class PagePlan:
     group: int
     shard_class: ShardClass
     regions: tuple[Region, ...]
-    page_size: int
+    page_size: int  # payload bytes; a stored value is ``value_size``
     fingerprint: str
     role_bytes: tuple[tuple[str, int], ...]  # bytes of each role in one page
     manifest: PageManifest  # what the fingerprint hashes; stored as the layout manifest
+    checksum: PageChecksum  # the trailer after each stored page
+
+    @property
+    def value_size(self) -> int:
+        """Bytes of a stored value: the page, then its checksum trailer."""
+        return self.page_size + self.checksum.size
 
     @property
     def label(self) -> str:
         return f"lg{self.group}/{self.shard_class.label}"
 
 
-def _fingerprint(layout: KvLayout, cls: ShardClass, regions: Sequence[Region]) -> str:
-    """Geometry and meaning of a page, short enough for a key segment."""
-    return page_manifest(layout, cls, regions).fingerprint
+def plan_pages(layout: KvLayout, checksum: str = DEFAULT_CHECKSUM) -> tuple[PagePlan, ...]:
+    """Every page kind of the layout, groups in declared order, replicated class last.
 
-
-def plan_pages(layout: KvLayout) -> tuple[PagePlan, ...]:
-    """Every page kind of the layout, groups in declared order, replicated class last."""
+    ``checksum`` names the trailer stored after each page (:mod:`kvconn.integrity`); it
+    is part of every fingerprint, so it must be the same wherever keys are made (the
+    scheduler's lookup and every rank).
+    """
+    scheme = PageChecksum(checksum)
     plans: list[PagePlan] = []
     for group in layout.groups:
         classes: dict[ShardClass, list[Region]] = {}
@@ -303,7 +347,7 @@ def plan_pages(layout: KvLayout) -> tuple[PagePlan, ...]:
             role_bytes: dict[str, int] = {}
             for r in regions:
                 role_bytes[r.role] = role_bytes.get(r.role, 0) + r.size
-            manifest = page_manifest(layout, cls, regions)
+            manifest = page_manifest(layout, cls, regions, scheme.name)
             plans.append(
                 PagePlan(
                     group=group.index,
@@ -313,6 +357,7 @@ def plan_pages(layout: KvLayout) -> tuple[PagePlan, ...]:
                     fingerprint=manifest.fingerprint,
                     role_bytes=tuple(role_bytes.items()),
                     manifest=manifest,
+                    checksum=scheme,
                 )
             )
     return tuple(plans)

@@ -14,8 +14,12 @@ from typing import Any
 from kvconn.plan import PagePlan
 
 #: written: stored by this rank; skipped: already stored by someone; loaded; failed: a
-#: load that did not complete; dropped: a save given up (backend down or put refused).
-EVENTS = ("written", "skipped", "loaded", "failed", "dropped")
+#: load that did not complete; dropped: a save given up (backend down or put refused);
+#: corrupt: a stored page found bad on load (its checksum failed, or it is stored but
+#: could not be read: a value of the wrong size); repaired: a corrupt page this rank
+#: deleted, so that the next lookup misses it and the next save rewrites it. Bytes are
+#: payload bytes (``page_size``); checksum trailers are not counted.
+EVENTS = ("written", "skipped", "loaded", "failed", "dropped", "corrupt", "repaired")
 
 
 @dataclass

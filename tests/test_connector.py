@@ -20,6 +20,7 @@ from kvconn.errors import (
     LayoutError,
 )
 from kvconn.hashing import ReuseScope, block_hashes
+from kvconn.integrity import PageChecksum
 from kvconn.keys import LAYOUT
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
 from kvconn.plan import PageManifest, WriterPolicy, share_key
@@ -29,6 +30,7 @@ from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group
 
 N = 6
+TRAILER = PageChecksum().size  # the default scheme's, after every stored page
 HASHES = block_hashes(list(range(32 * N)), 32)
 SLOTS = [5, 1, 9, 3, 7, 11]
 
@@ -45,6 +47,11 @@ def save_all(group, hashes=HASHES, slots=SLOTS):
 def page_values(store):
     """The stored pages, without the layout manifests (metadata, not page bytes)."""
     return {k: v for k, v in store.data.items() if parse_manifest_key(k) is None}
+
+
+def payload_bytes(store):
+    """Bytes of the stored pages, less each value's checksum trailer."""
+    return sum(len(v) - TRAILER for v in page_values(store).values())
 
 
 def manifest_values(store):
@@ -275,7 +282,7 @@ def test_with_4_kv_heads_at_tp8_bytes_stored_halve(store):
     group = tp_group(layout, store)
     save_all(group)
     pages = page_values(store)  # the layout manifest (one, ~270 B) is metadata, not pages
-    stored = sum(len(v) for v in pages.values())
+    stored = payload_bytes(store)
     per_rank_keying = 8 * N * 2 * 2 * 256 * 32
     assert stored * 2 == per_rank_keying
     assert sorted({k.split("/")[2] for k in pages}) == ["w4r0", "w4r1", "w4r2", "w4r3"]
@@ -286,7 +293,7 @@ def test_with_4_kv_heads_at_tp8_bytes_stored_halve(store):
 def test_minimax_m3_stores_29_2_percent_fewer_bytes_than_per_rank_keying(store):
     group = tp_group(minimax_m3(tp_size=8, layers=2), store)
     save_all(group)
-    stored = sum(len(v) for v in page_values(store).values())
+    stored = payload_bytes(store)
     naive = 8 * N * 2 * 768 * 32
     assert 1 - stored / naive == pytest.approx(1 - (8 * 512 + 256) / (8 * 768))
 
@@ -563,7 +570,7 @@ def test_the_stored_manifest_hashes_to_the_fingerprint_in_its_page_keys(store):
         manifests[(mkey.group, mkey.fingerprint, manifest.shard_class)] = manifest
     assert set(manifests) == set(pages)  # one manifest per page kind, none for nothing
     for ident, manifest in manifests.items():
-        assert pages[ident] == {manifest.page_size}
+        assert pages[ident] == {manifest.value_size} == {manifest.page_size + TRAILER}
     roles = {m.shard_class: m.document()["roles"] for m in manifests.values()}
     per_page = 2 * 256 * 32  # 2 layers x 256 B/token x 32 tokens
     assert roles == {

@@ -330,9 +330,15 @@ def test_inspect_reports_bytes_per_role_for_minimax_m3(capsys, tmp_path):
     assert model["role_bytes"] == {"index_k": index_k, "k": k, "v": k}
     assert k == 8 * index_k  # index-K is 1/8th of K (and of V), 1/17th of the total
     assert model["unknown_role_bytes"] == 0
-    assert model["bytes"] == 2 * k + index_k == 1_671_168
+    # each value is its page and an 8-byte xxh3-64 checksum: 9 pages per block
+    assert model["payload_bytes"] == 2 * k + index_k == 1_671_168
+    assert model["checksum_bytes"] == N * 9 * 8
+    assert model["bytes"] == model["payload_bytes"] + model["checksum_bytes"]
     classes = {c["shard_class"]: c for c in model["classes"]}
     assert classes["w8"]["manifest"] == classes["replicated"]["manifest"] == "ok"
+    assert classes["w8"]["checksum"] == "xxh3-64"
+    assert classes["w8"]["value_bytes"] == classes["w8"]["page_bytes"] + 8 == 2 * per_page + 8
+    assert classes["w8"]["size_mismatches"] == classes["replicated"]["size_mismatches"] == 0
     assert classes["w8"]["roles"] == {
         "k": {"bytes_per_page": per_page, "bytes": k},
         "v": {"bytes_per_page": per_page, "bytes": k},
@@ -360,6 +366,7 @@ def test_inspect_reports_bytes_per_role_for_minimax_m3(capsys, tmp_path):
     assert "by role: index_k 96.00 KiB (5.9%), k 768.00 KiB (47.1%), v 768.00 KiB (47.1%)" in text
     assert "k 768.00 KiB, v 768.00 KiB" in text  # the w8 row
     assert "2 layout manifest(s)" in text and "not counted as page bytes" in text
+    assert "page payload 1.59 MiB, checksum trailers 432 B" in text
 
 
 @pytest.mark.parametrize(
@@ -368,7 +375,7 @@ def test_inspect_reports_bytes_per_role_for_minimax_m3(capsys, tmp_path):
         # self-consistent, but says index-K is fp8: not what these pages' key hashes
         (lambda doc: doc["roles"]["index_k"].update(dtype="fp8_e4m3"), "hashes to"),
         (lambda doc: doc.update(page_size=doc["page_size"] + 1), "page_size"),
-        (lambda doc: doc["regions"].pop(), "page_size 16384, the regions give 8192"),
+        (lambda doc: doc["regions"].pop(), "page_size 16384, the page description gives 8192"),
         (lambda doc: "not json {", "not JSON"),
     ],
     ids=["other-meaning", "wrong-page-size", "missing-region", "not-json"],
@@ -394,7 +401,7 @@ def test_a_manifest_whose_json_does_not_match_its_fingerprint_is_flagged(
     bad = classes["replicated"]
     assert bad["manifest"] == "invalid" and bad["roles"] is None
     assert problem in bad["manifest_problem"]
-    assert model["unknown_role_bytes"] == bad["bytes"]  # its bytes are not guessed
+    assert model["unknown_role_bytes"] == bad["payload_bytes"]  # its bytes are not guessed
     assert "index_k" not in model["role_bytes"]
     assert classes["w8"]["manifest"] == "ok"  # the other page kind is unaffected
     (flagged,) = model["invalid_manifests"]
@@ -419,7 +426,9 @@ def test_a_store_without_manifests_still_reports_its_pages_as_unknown_roles(caps
     (model,) = result["models"]
     (had,) = before["models"]
     assert (model["pages"], model["bytes"]) == (had["pages"], had["bytes"])
-    assert model["role_bytes"] == {} and model["unknown_role_bytes"] == model["bytes"]
+    assert model["role_bytes"] == {} and model["unknown_role_bytes"] == model["payload_bytes"]
+    # without a manifest the scheme is unknown, but page + 8-byte trailer is a size it gives
+    assert all(c["size_mismatches"] == 0 and c["checksum"] is None for c in model["classes"])
     assert {c["manifest"] for c in model["classes"]} == {"missing"}
     assert all(c["roles"] is None for c in model["classes"])
     assert model["manifest_keys"] == 0 and model["invalid_manifests"] == []
@@ -468,16 +477,28 @@ def test_a_manifest_reads_back_into_the_page_kind_it_describes(preset, tp):
 
 
 def test_fingerprints_of_existing_stores_do_not_change():
-    # Pages already stored are found only under the same fingerprint: deriving it from
-    # the manifest must not change it (values computed before manifests existed).
-    plans = plan_pages(minimax_m3(tp_size=8, layers=2))
-    assert [p.fingerprint for p in plans] == ["t32b32768-6a45e8410a9d", "t32b16384-251df671913d"]
+    # Pages already stored are found only under the same fingerprint: an accidental change
+    # orphans every store. Layout version 1 (no checksums) had t32b32768-6a45e8410a9d and
+    # t32b16384-251df671913d; version 2 names the checksum scheme, so each has its own.
+    layout = minimax_m3(tp_size=8, layers=2)
+    assert [p.fingerprint for p in plan_pages(layout)] == [
+        "t32b32768-8ef60c34abfa",
+        "t32b16384-755d177bf48b",
+    ]
+    assert [p.fingerprint for p in plan_pages(layout, "none")] == [
+        "t32b32768-f3aab900d22d",
+        "t32b16384-6b6f5213c3af",
+    ]
 
 
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d.update(version=2), "version 2"),
+        (lambda d: d.update(version=3), "version 3"),
+        (lambda d: d.update(version=1), "layout version 1, written by a kvconn without page"),
+        (lambda d: d.update(checksum="crc32"), "checksum 'crc32' is not one of"),
+        (lambda d: d.update(checksum=["xxh3-64"]), "checksum ['xxh3-64'] is not one of"),
+        (lambda d: d.update(value_size=d["page_size"]), "value_size"),
         (lambda d: d.update(num_shards=4), "num_shards"),
         (lambda d: d.update(shard_class="replicated", num_shards=1), "units 1"),
         (lambda d: d.update(extra=1), "unknown ['extra']"),

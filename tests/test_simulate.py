@@ -70,7 +70,10 @@ def test_minimax_m3_stores_29_2_percent_less_than_per_rank_keying(minimax_run):
     assert report["saving"] == pytest.approx(1 - (8 * 512 + 256) / (8 * 768))
     assert round(report["saving"], 3) == 0.292
     assert report["saving_rank0_scheme"] == pytest.approx(report["saving"])  # index-K: both once
-    assert report["bytes_stored"] == sum(report["bytes_written_by_rank"])
+    assert report["payload_bytes_stored"] == sum(report["bytes_written_by_rank"])
+    # each stored value ends in its page's 8-byte xxh3-64 checksum
+    assert report["checksum"] == "xxh3-64"
+    assert report["bytes_stored"] == report["payload_bytes_stored"] + 8 * report["pages_written"]
 
 
 def test_the_json_report_has_every_documented_key(minimax_run):
@@ -168,10 +171,8 @@ def test_the_spread_policy_balances_bytes_written_within_5_percent_over_1000_blo
 
 
 # ---------------------------------------------------------------- failures
-def test_a_flipped_byte_in_a_stored_page_is_reported_as_an_error(capsys, tmp_path):
-    store = tmp_path / "store"
-    code, _ = simulate(capsys, store)
-    assert code == 0
+def flip_a_replicated_page(store: Path) -> bytes:
+    """Flip byte 100 of one stored replicated page in place (same size); its key."""
     env = lmdb.open(str(store), subdir=True)
     try:
         with env.begin(write=True) as txn:
@@ -181,9 +182,40 @@ def test_a_flipped_byte_in_a_stored_page_is_reported_as_an_error(capsys, tmp_pat
             txn.put(key, bytes(flipped))
     finally:
         env.close()
+    return bytes(key)
+
+
+def test_a_flipped_byte_in_a_stored_page_fails_its_checksum_and_the_page_is_rewritten(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    code, _ = simulate(capsys, store)
+    assert code == 0
+    flip_a_replicated_page(store)
     code, report = simulate(capsys, store)
+    # every rank loads the replicated page: each finds it bad, one deletes it
+    assert code == 0 and report["errors"] == 0  # no wrong byte reached a pool
+    assert report["pages_corrupt"] >= 1 and report["pages_repaired"] == 1
+    assert report["blocks_recomputed_after_failed_load"] >= 1
+    assert report["pages_written"] >= 1  # the recomputed block's pages were stored again
+    code, third = simulate(capsys, store)
+    assert code == 0 and third["pages_corrupt"] == 0 and third["pages_written"] == 0
+    assert third["blocks_recomputed_after_failed_load"] == 0
+    assert third["hit_tokens"] == third["lookup_hit_tokens"] > report["hit_tokens"]
+
+
+def test_without_checksums_a_flipped_byte_reaches_the_pool(capsys, tmp_path):
+    # What the checksum prevents: with checksum = "none" only the simulation's own
+    # byte-for-byte verification sees the wrong page, after the connector loaded it.
+    config = tmp_path / "kvconn.toml"
+    config.write_text('checksum = "none"\n')
+    store = tmp_path / "store"
+    code, _ = simulate(capsys, store, "--config", str(config))
+    assert code == 0
+    key = flip_a_replicated_page(store)
+    code, report = simulate(capsys, store, "--config", str(config))
     assert code == 1  # the run fails instead of silently serving wrong bytes
-    assert report["errors"] >= 1
+    assert report["errors"] >= 1 and report["pages_corrupt"] == 0
     assert any(key.decode() in e and "byte 100 " in e for e in report["error_examples"])
 
 

@@ -13,6 +13,11 @@ every page kind's bytes by role (``pages x bytes_per_page``). Pages without a ma
 unknown roles; an invalid manifest is flagged. Manifests are metadata, reported apart
 from page bytes.
 
+A stored value is the page (``b<bytes>`` in its key: the payload) and the trailer of
+the checksum scheme the manifest names (8 bytes for ``xxh3-64``), so a value whose size
+is not ``value_size`` will fail to load. Without a manifest the scheme is unknown: a
+size that no scheme gives for ``b<bytes>`` is reported all the same.
+
 Works with backends that can list keys (``capabilities.listing``); the others fail with
 a message naming those that can. The store is opened read-only where the backend can
 (LMDB): a mistyped ``--path`` is an error, never a new empty store.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +40,7 @@ from urllib.parse import unquote
 from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError
+from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
 from kvconn.keys import LAYOUT, key_part, manifest_prefix
 from kvconn.plan import ManifestError, PageManifest
 from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
@@ -164,7 +171,9 @@ class Row:
     bytes: int = 0
     shards: set[int] = field(default_factory=set)
     blocks: set[str] = field(default_factory=set)
-    size_mismatches: int = 0  # stored value size differs from the key's b<bytes>
+    #: how many values of each size: judged once the manifest (the checksum scheme,
+    #: hence the value size) is known, after the listing
+    value_sizes: Counter[int] = field(default_factory=Counter)
 
 
 ManifestIdent = tuple[str, str, int, str]  # namespace, model, layer group, fingerprint
@@ -197,8 +206,7 @@ class Footprint:
         row.bytes += size
         row.shards.add(page.shard_index)
         row.blocks.add(page.block_hash)
-        if size != page.page_bytes:
-            row.size_mismatches += 1
+        row.value_sizes[size] += 1
         if (page.namespace, page.model) not in self.prefixes:
             self.prefixes[(page.namespace, page.model)] = key[: _nth_slash(key, 2) + 1]
 
@@ -260,6 +268,8 @@ class Footprint:
                     "model": model,
                     "pages": 0,
                     "bytes": 0,
+                    "payload_bytes": 0,
+                    "checksum_bytes": 0,
                     "replicated_bytes": 0,
                     "sharded_bytes": 0,
                     "role_bytes": {},
@@ -278,7 +288,14 @@ class Footprint:
             entry["replicated_bytes" if cls == "replicated" else "sharded_bytes"] += row.bytes
             m = _FINGERPRINT.match(fingerprint)
             assert m is not None
+            page_bytes = int(m.group(2))
+            entry["payload_bytes"] += row.pages * page_bytes
             status, manifest, problem = self._row_roles(namespace, model, cls, group, fingerprint)
+            if manifest is not None:
+                sizes = {manifest.value_size}
+                entry["checksum_bytes"] += row.pages * (manifest.value_size - page_bytes)
+            else:  # the scheme is unknown: any size some scheme gives is plausible
+                sizes = {page_bytes + trailer for trailer in CHECKSUM_SCHEMES.values()}
             roles: dict[str, dict[str, int]] | None = None
             if manifest is not None:
                 roles = {
@@ -288,19 +305,24 @@ class Footprint:
                 for name, r in roles.items():
                     entry["role_bytes"][name] = entry["role_bytes"].get(name, 0) + r["bytes"]
             else:
-                entry["unknown_role_bytes"] += row.bytes
+                entry["unknown_role_bytes"] += row.pages * page_bytes
             entry["classes"].append(
                 {
                     "shard_class": cls,
                     "layer_group": group,
                     "fingerprint": fingerprint,
                     "tokens_per_block": int(m.group(1)),
-                    "page_bytes": int(m.group(2)),
+                    "page_bytes": page_bytes,
+                    "checksum": manifest.checksum if manifest is not None else None,
+                    "value_bytes": manifest.value_size if manifest is not None else None,
                     "pages": row.pages,
                     "bytes": row.bytes,
+                    "payload_bytes": row.pages * page_bytes,
                     "blocks": len(row.blocks),
                     "shards_present": len(row.shards),
-                    "size_mismatches": row.size_mismatches,
+                    "size_mismatches": sum(
+                        n for size, n in row.value_sizes.items() if size not in sizes
+                    ),
                     "manifest": status,
                     "manifest_problem": problem,
                     "roles": roles,
@@ -466,12 +488,15 @@ def format_footprint(result: Mapping[str, Any]) -> str:
             f"{human_bytes(model['bytes'])} (replicated {model['replicated_bytes'] / total:.1%}, "
             f"sharded {model['sharded_bytes'] / total:.1%})"
         )
+        # roles share the pages' payload: checksum trailers belong to no role
+        payload = model["payload_bytes"] or 1
         by_role = [
-            f"{name} {human_bytes(n)} ({n / total:.1%})" for name, n in model["role_bytes"].items()
+            f"{name} {human_bytes(n)} ({n / payload:.1%})"
+            for name, n in model["role_bytes"].items()
         ]
         if model["unknown_role_bytes"]:
             n = model["unknown_role_bytes"]
-            by_role.append(f"unknown roles {human_bytes(n)} ({n / total:.1%})")
+            by_role.append(f"unknown roles {human_bytes(n)} ({n / payload:.1%})")
         if by_role:
             lines.append(f"    by role: {', '.join(by_role)}")
         if model["classes"]:
@@ -487,12 +512,22 @@ def format_footprint(result: Mapping[str, Any]) -> str:
                 f"{_roles_text(c)}"
             )
             if c["size_mismatches"]:
+                expected = (
+                    f"{c['value_bytes']} bytes ({c['page_bytes']} + {c['checksum']} checksum)"
+                    if c["value_bytes"] is not None
+                    else f"what the key's {c['page_bytes']} bytes and any checksum give"
+                )
                 lines.append(
-                    f"      {c['size_mismatches']} value(s) whose size differs from the key's "
-                    f"{c['page_bytes']} bytes: they will fail to load"
+                    f"      {c['size_mismatches']} value(s) whose size is not {expected}: "
+                    "they will fail to load"
                 )
             if c["manifest"] == "invalid" and c["manifest_problem"]:
                 lines.append(f"      invalid layout manifest: {c['manifest_problem']}")
+        if model["checksum_bytes"]:
+            lines.append(
+                f"    page payload {human_bytes(model['payload_bytes'])}, checksum trailers "
+                f"{human_bytes(model['checksum_bytes'])} ({model['checksum_bytes'] / total:.2%})"
+            )
         if model["manifest_keys"]:
             lines.append(
                 f"    {model['manifest_keys']:,} layout manifest(s), "

@@ -9,6 +9,11 @@ schemes on the same traffic rather than on a formula:
 * ``bytes_rank0_scheme`` -- the reference connector (TensorRT-LLM's Mooncake store
   connector): main KV roles (K, V, an MLA latent) keyed per rank, only roles it declares
   replicated on the side (``reference_once``, e.g. index-K) stored once by rank 0.
+
+Byte counts by rank and role are page payloads, which is what the schemes differ in;
+``bytes_stored`` adds the checksum trailer stored after each page (8 bytes with
+``xxh3-64``), so it is what the store holds (``kvconn inspect``'s bytes). Savings
+compare payloads.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvconn.integrity import PageChecksum
 from kvconn.layout import KvLayout
 from kvconn.tools.store_options import human_bytes
 
@@ -61,7 +67,8 @@ def build_report(
         ]
         for role in roles
     }
-    stored = sum(bytes_by_rank)
+    payload = sum(bytes_by_rank)
+    checksum_bytes = PageChecksum(settings.config.checksum).size * sum(pages_by_rank)
     naive = 0
     rank0_scheme = 0
     for role in roles:
@@ -69,7 +76,7 @@ def build_report(
         written = sum(role_bytes[role])
         naive += written * spec.dup(tp)
         rank0_scheme += written * (1 if spec.reference_once else spec.dup(tp))
-    mean = stored / tp if tp else 0.0
+    mean = payload / tp if tp else 0.0
     times = {part: sum(float(r["time"][part]) for r in ranks) for part in TIME_PARTS}
     cpu = {part: sum(float(r["cpu"][part]) for r in ranks) for part in TIME_PARTS}
     for part in ("store", "planning"):
@@ -107,18 +114,24 @@ def build_report(
         "bytes_written_by_role": {role: sum(v) for role, v in role_bytes.items()},
         "pages_written_by_role": {role: sum(v) for role, v in role_pages.items()},
         "bytes_written_by_rank_and_role": role_bytes,
-        "bytes_stored": stored,
+        "bytes_stored": payload + checksum_bytes,
+        "payload_bytes_stored": payload,
+        "checksum": settings.config.checksum,
+        "checksum_bytes": checksum_bytes,
         "bytes_naive": naive,
         "bytes_rank0_scheme": rank0_scheme,
         # None when this run wrote nothing (a warm store): there is nothing to compare
-        "saving": 1 - stored / naive if naive else None,
+        "saving": 1 - payload / naive if naive else None,
         "saving_rank0_scheme": 1 - rank0_scheme / naive if naive else None,
-        "write_balance": max(bytes_by_rank) / mean if stored else None,
+        "write_balance": max(bytes_by_rank) / mean if payload else None,
         "pages_written": sum(pages_by_rank),
         "pages_skipped": sum(int(_event(r["stats"], "skipped").get("pages", 0)) for r in ranks),
         "pages_dropped": sum(int(_event(r["stats"], "dropped").get("pages", 0)) for r in ranks),
         "pages_loaded": sum(int(_event(r["stats"], "loaded").get("pages", 0)) for r in ranks),
         "pages_failed": sum(int(_event(r["stats"], "failed").get("pages", 0)) for r in ranks),
+        # stored pages found bad on load (checksum, wrong size) and deleted for rewriting
+        "pages_corrupt": sum(int(_event(r["stats"], "corrupt").get("pages", 0)) for r in ranks),
+        "pages_repaired": sum(int(_event(r["stats"], "repaired").get("pages", 0)) for r in ranks),
         "pages_verified": sum(int(r["verified"]) for r in ranks),
         "errors": sum(int(r["errors"]) for r in ranks),
         "error_examples": examples,
@@ -158,6 +171,11 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"blocks ({report['evictions']} injected evictions)"
         )
     add(f"  pages loaded          {report['pages_loaded']:>12,}")
+    if report["pages_corrupt"]:
+        add(
+            f"  stored pages corrupt  {report['pages_corrupt']:>12,}   "
+            f"({report['pages_repaired']:,} deleted for the next save to rewrite)"
+        )
     add(f"  pages verified        {report['pages_verified']:>12,}")
     add(f"  errors                {report['errors']:>12,}")
     add("")
@@ -173,13 +191,17 @@ def format_report(report: Mapping[str, Any]) -> str:
         add(f"  {rank:>5} {pages:>9,} {human_bytes(nbytes):>12}{cells}")
     total_cells = "".join(f" {human_bytes(report['bytes_written_by_role'][r]):>12}" for r in roles)
     add(
-        f"  {'total':>5} {report['pages_written']:>9,} {human_bytes(report['bytes_stored']):>12}"
-        f"{total_cells}"
+        f"  {'total':>5} {report['pages_written']:>9,} "
+        f"{human_bytes(report['payload_bytes_stored']):>12}{total_cells}"
     )
     page_cells = "".join(f" {report['pages_written_by_role'][r]:>12,}" for r in roles)
     add(f"  {'pages':>5} {'':>9} {'':>12}{page_cells}   (pages holding the role)")
     add("")
-    add(f"  bytes stored          {human_bytes(report['bytes_stored']):>12}")
+    add(
+        f"  bytes stored          {human_bytes(report['bytes_stored']):>12}   "
+        f"(pages {human_bytes(report['payload_bytes_stored'])}, "
+        f"{report['checksum']} checksums {human_bytes(report['checksum_bytes'])})"
+    )
     add(
         f"  per-rank keying       {human_bytes(report['bytes_naive']):>12}   "
         f"saving {_percent(report['saving'])}"
