@@ -40,15 +40,18 @@ def interleaved(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(interleaved())
-def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case):
+@given(interleaved(), st.sampled_from([0, 1, 8, 13]))
+def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case, tail):
+    # ``tail`` bytes after each page in its row: a staging row's checksum trailer
     regions, pool_size, slots = case
     pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
     mover = PageMover(regions, [pool], regions[0].num_slots)
     index = torch.tensor(slots)
-    out = torch.empty(len(slots), mover.page_size, dtype=torch.uint8)
+    rows = torch.full((len(slots), mover.page_size + tail), 0xA5, dtype=torch.uint8)
+    out = rows[:, : mover.page_size]
     mover.gather(index, out)
     assert torch.equal(out, reference_gather(regions, pool, slots))
+    assert bool((rows[:, mover.page_size :] == 0xA5).all())  # the trailers are untouched
     target = torch.zeros_like(pool)
     PageMover(regions, [target], regions[0].num_slots).scatter(index, out)
     touched = torch.zeros(pool_size, dtype=torch.bool)
@@ -67,6 +70,26 @@ def test_adjacent_regions_and_layer_repeats_compile_to_one_run():
         regions.append(Region("v", layer, layer * 192 + 64, 64, stride, 8))
     runs = compile_runs(regions)
     assert len(runs) == 1 and (runs[0].count, runs[0].size, runs[0].step) == (4, 128, 192)
+
+
+@pytest.mark.parametrize("tail", [8, 16])
+def test_word_aligned_pages_gather_into_and_scatter_from_rows_with_a_trailer(tail):
+    # the connector's case: 8-byte words, rows of page_size + trailer in staging
+    regions = [Region("k", i, i * 96, 32, 288, 6) for i in range(3)]
+    regions += [Region("v", i, i * 96 + 32, 64, 288, 6) for i in range(3)]
+    pool = torch.randint(0, 256, (288 * 6,), dtype=torch.uint8)
+    mover = PageMover(regions, [pool], 6)
+    rows = torch.full((3, mover.page_size + tail), 7, dtype=torch.uint8)
+    index = torch.tensor([4, 0, 2])
+    mover.gather(index, rows[:, : mover.page_size])
+    assert torch.equal(rows[:, : mover.page_size], reference_gather(regions, pool, [4, 0, 2]))
+    assert bool((rows[:, mover.page_size :] == 7).all())
+    target = torch.zeros_like(pool)
+    PageMover(regions, [target], 6).scatter(index, rows[:, : mover.page_size])
+    for r in regions:
+        for s in (4, 0, 2):
+            piece = slice(r.base + s * r.stride, r.base + s * r.stride + r.size)
+            assert torch.equal(target[piece], pool[piece])
 
 
 def test_gather_works_into_a_non_contiguous_destination():
