@@ -144,9 +144,9 @@ class PageMover:
 
         ``out``'s rows may be spaced wider than a page (``out = rows[:, :page_size]``,
         each staging row ending in the page's checksum): ``index_select`` writes such a
-        strided view in place, at 0.75-0.95x the speed of a contiguous one, where
+        strided view in place, at 0.8-1.0x the speed of a contiguous one, where
         gathering contiguously and copying into the rows would move every byte twice
-        (0.4x; ``benchmarks/bench_integrity.py --gather``).
+        (0.45x; ``benchmarks/bench_integrity.py --gather``).
 
         ``out`` may live on another device than the pool (pinned host staging for a
         CUDA pool); the copy then happens once per run, after the gather on the device.
