@@ -369,6 +369,38 @@ def test_inspect_reports_bytes_per_role_for_minimax_m3(capsys, tmp_path):
     assert "page payload 1.59 MiB, checksum trailers 432 B" in text
 
 
+def test_values_whose_size_is_not_the_page_and_its_checksum_are_reported(capsys, tmp_path):
+    store = tmp_path / "store"
+    write_minimax_store(store)
+
+    def damage(txn):
+        pages = [k for k, _ in txn.cursor() if b"/replicated/" in k]
+        txn.put(pages[0], bytes(txn.get(pages[0]))[:-3])  # truncated
+        txn.put(pages[1], bytes(txn.get(pages[1]))[:-8])  # the bare page, no trailer
+
+    rewrite(store, damage)
+    (model,) = inspect_json(capsys, store)["models"]
+    classes = {c["shard_class"]: c for c in model["classes"]}
+    assert classes["replicated"]["size_mismatches"] == 2
+    assert classes["w8"]["size_mismatches"] == 0
+    assert main(["inspect", "--path", str(store)]) == 0
+    text = capsys.readouterr().out
+    assert "2 value(s) whose size is not 16392 bytes (16384 + xxh3-64 checksum)" in text
+
+
+def test_without_a_manifest_only_sizes_no_checksum_scheme_gives_are_reported():
+    prefix = key_prefix("kvconn", "m")
+    sizes = {"00": 40, "01": 48, "02": 45}  # a bare page, one with an xxh3-64 trailer, neither
+    entries = [
+        (page_key(prefix, "replicated", 0, "t32b40-bb", bytes.fromhex(h) * 16), size)
+        for h, size in sizes.items()
+    ]
+    (model,) = footprint(entries).as_dict()["models"]
+    (row,) = model["classes"]
+    assert (row["size_mismatches"], row["checksum"], row["value_bytes"]) == (1, None, None)
+    assert (model["payload_bytes"], model["bytes"]) == (120, 133)
+
+
 @pytest.mark.parametrize(
     ("edit", "problem"),
     [
