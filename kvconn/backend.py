@@ -18,7 +18,6 @@ Semantics a backend must keep (the shipped conformance suite checks each):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib
 from abc import ABC, abstractmethod
@@ -146,8 +145,7 @@ class Backend(ABC):
             raise ValueError(f"get: the buffer for {key!r} is read-only")
         if not keys:
             return []
-        fill = self._get_scratch if scratch else self._get
-        return self._checked_result(fill(keys, views), len(keys), "get")
+        return self._checked_result(self._get(keys, views, scratch=scratch), len(keys), "get")
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove keys; per key, whether it was present. Only with ``capabilities.delete``."""
@@ -203,15 +201,13 @@ class Backend(ABC):
         """Note for implementers: set-if-absent, atomically; duplicates in a batch are fine."""
 
     @abstractmethod
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        """Note for implementers: check the stored size before copying into a buffer."""
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        """Note for implementers: a value whose size differs from its buffer's is False.
 
-    def _get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        """``get(..., scratch=True)``: failed keys may clobber their buffers; see :meth:`get`.
-
-        Override only when that saves work; a wrong size must still answer False.
+        Without ``scratch`` a failed key's buffer must stay untouched (check the size
+        before copying). With ``scratch`` it may hold anything; use that only where it
+        saves work (a size query per batch), else ignore the flag.
         """
-        return self._get(keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         raise NotImplementedError
@@ -232,32 +228,10 @@ class Backend(ABC):
         return out
 
     def _checked_result(self, result: Sequence[bool], n: int, op: str) -> list[bool]:
-        out = as_bools(result)
+        out = list(map(bool, result))
         if len(out) != n:
             raise AssertionError(f"{self.name} backend {op} answered {len(out)} of {n} keys")
         return out
-
-
-def as_bools(result: Sequence[object]) -> list[bool]:
-    """``list(map(bool, result))``, faster for answers of 1s and 0s in prefix shape.
-
-    Lookups answer in that shape (a prefix hits, the rest misses), and on this path
-    every microsecond counts against the store's own ~0.1 ms: ``map(bool)`` over 64
-    answers is ~2 µs here. ``bytes()`` packs 0/1 ints or bools at C speed (and refuses
-    anything else), after which counting and searching are ``memchr``-fast.
-    """
-    flags: bytes | None = None
-    if type(result) is bytes:
-        flags = result
-    elif type(result) is list or type(result) is tuple:
-        with contextlib.suppress(ValueError, TypeError):  # negatives, floats, None...
-            flags = bytes(result)  # type: ignore[arg-type]
-    if flags is not None:
-        n = len(flags)
-        hits = flags.count(1)
-        if hits == n or (flags.count(0) == n - hits and flags.find(0) == hits):
-            return [True] * hits + [False] * (n - hits)
-    return list(map(bool, result))
 
 
 class VettedKeys(tuple[str, ...]):

@@ -29,7 +29,6 @@ are not meant to race with transfers.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -148,9 +147,6 @@ class Connector:
             backend if backend is not None else load_backend(config.backend, config.options)
         )
         self._check_key_length()
-        #: Whether ``backend.get`` takes ``scratch=``: a backend written before it, that
-        #: overrides the public method, is called the old way instead of failing.
-        self._scratch_reads = _takes_keyword(self.backend.get, "scratch")
         self._down_until = 0.0
         self._down = False
         self._corruption_reported = False
@@ -447,10 +443,9 @@ class Connector:
                 keys.append(share_key(self.prefix, share, hashes[start + i]))
                 buffers.append(view[offset + i * row : offset + (i + 1) * row])
         # Scratch: staging pages of keys that fail are never scattered (below).
-        extra = {"scratch": True} if self._scratch_reads else {}
         try:
             arrived = self._call(
-                "get", lambda: self.backend.get(self._vetted(keys), buffers, **extra)
+                "get", lambda: self.backend.get(self._vetted(keys), buffers, scratch=True)
             )
         except _Skipped:
             return 0
@@ -703,18 +698,6 @@ def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:
                 f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r:.80}"
             )
     return [bytes(h) for h in hashes]
-
-
-def _takes_keyword(method: Callable[..., Any], name: str) -> bool:
-    """Whether ``method`` accepts the keyword argument ``name``."""
-    try:
-        parameters = inspect.signature(method).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
-    return any(
-        (p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD
-        for p in parameters
-    )
 
 
 def _aligned(offset: int) -> int:

@@ -33,7 +33,7 @@ class DictBackend(Backend):
             self.data.setdefault(k, bytes(v))
         return [True] * len(keys)
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         self._guard("get", len(keys))
         out = []
         for k, b in zip(keys, buffers):

@@ -106,7 +106,7 @@ class _StubBackend(Backend):
     def _put(self, keys, values):
         return []
 
-    def _get(self, keys, buffers):
+    def _get(self, keys, buffers, *, scratch):
         return []
 
 

@@ -160,8 +160,10 @@ class MeetingStore(DictBackend):
         super().__init__()
         self.meet = threading.Barrier(parties, timeout=10)
 
-    def _get(self, keys, buffers):
-        out = super()._get(keys, buffers)  # fill the staging buffer, then wait inside
+    def _get(self, keys, buffers, *, scratch):
+        out = super()._get(
+            keys, buffers, scratch=scratch
+        )
         self.meet.wait()
         return out
 

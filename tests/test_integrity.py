@@ -227,10 +227,10 @@ class FlakyStore(DictBackend):
         super().__init__()
         self.failing: set[str] = set()
 
-    def _get(self, keys, buffers):
+    def _get(self, keys, buffers, *, scratch):
         if "get" in self.failing:
             raise BackendUnavailable("get timed out")
-        return super()._get(keys, buffers)
+        return super()._get(keys, buffers, scratch=scratch)
 
     def _delete(self, keys):
         self.calls.append(("delete", len(keys)))

@@ -277,7 +277,7 @@ class LmdbBackend(Backend):
         encoded = [k.encode() for k in keys]
         return self._read(lambda txn: [txn.get(k) is not None for k in encoded])  # type: ignore[no-any-return]
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         encoded = [k.encode() for k in keys]
 
         def copy(txn: Any) -> list[bool]:

@@ -130,11 +130,10 @@ class MooncakeBackend(Backend):
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         return self._transfers.put(keys, values)
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        if scratch:
+            return self._transfers.get_scratch(keys, buffers)
         return self._transfers.get(keys, buffers)
-
-    def _get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        return self._transfers.get_scratch(keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._transfers.delete(keys)

@@ -243,8 +243,7 @@ class Session:
 
         The check runs on every lookup and costs more than it seems: ``min()`` and
         ``map(bool)`` over 64 codes are ~3 µs here against ~90 µs for the RPC itself.
-        ``bytes()`` refuses negative codes at C speed, and the packed flags are what
-        :func:`kvconn.backend.as_bools` converts fastest.
+        ``bytes()`` refuses negative codes at C speed.
         """
         n = len(keys)
         results: list[int] = self.invoke("exists", store.batch_is_exist, keys)

@@ -171,7 +171,7 @@ class RedisBackend(Backend):
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         return self._call("put", self._client.put, keys, values)
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         return self._call("get", self._client.get, keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:

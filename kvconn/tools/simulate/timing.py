@@ -66,11 +66,8 @@ class TimedBackend(Backend):
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         return self.inner._put(keys, values)
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        return self.inner._get(keys, buffers)
-
-    def _get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
-        return self.inner._get_scratch(keys, buffers)
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        return self.inner._get(keys, buffers, scratch=scratch)
 
     def register_buffer(self, buffer: memoryview) -> None:
         self.inner.register_buffer(buffer)

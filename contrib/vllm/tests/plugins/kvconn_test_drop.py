@@ -17,9 +17,9 @@ MARKER = "drop-next-load"
 class DropOnLoadBackend(LmdbBackend):
     name = "lmdb-drop-on-load"
 
-    def _get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         marker = self.path / MARKER
         if len(keys) > 1 and marker.exists():
             marker.unlink()
             self._delete([keys[1]])
-        return super()._get(keys, buffers)
+        return super()._get(keys, buffers, scratch=scratch)
