@@ -325,8 +325,8 @@ def check_recovery(writers: Sequence[Connector], store: Backend) -> None:
 def scribble_in_file(data_file: Path, value: bytes, at: int, garbage: bytes) -> None:
     """Overwrite bytes of a stored value inside the store's file, as a bad disk would."""
     content = data_file.read_bytes()
-    where = content.find(value[:512])
-    assert where >= 0 and content.find(value[:512], where + 1) == -1  # found, once
+    where = content.find(value)  # whole, with its key-seeded trailer: found once
+    assert where >= 0 and content.find(value, where + 1) == -1
     with data_file.open("r+b") as fh:
         fh.seek(where + at)
         fh.write(garbage)
