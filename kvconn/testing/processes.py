@@ -26,12 +26,18 @@ from typing import Any
 
 RankContext = SpawnContext | ForkServerContext
 
-#: What the fork server imports before forking: torch and the parts of kvconn every rank
-#: uses. Never a backend: a store client may start threads at import, and a fork of a
-#: process with threads is unsafe. The server is one per process, so the first caller's
-#: list is the one that counts; any module a rank needs and the server lacks is simply
-#: imported by the rank.
-PRELOAD = ("torch", "kvconn.connector", "kvconn.config", "kvconn.testing.tpgroup")
+#: What the fork server imports before forking: torch and the parts of kvconn the ranks
+#: use, ``kvconn simulate``'s too (the server is one per process, and the first caller's
+#: list is the one it keeps; a module a rank needs and the server lacks is imported by the
+#: rank). Never a backend: a store client may start threads at import, and a fork of a
+#: process with threads is unsafe.
+PRELOAD = (
+    "torch",
+    "kvconn.connector",
+    "kvconn.config",
+    "kvconn.testing.tpgroup",
+    "kvconn.tools.simulate.worker",
+)
 
 
 def rank_context() -> RankContext:
