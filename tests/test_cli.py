@@ -8,26 +8,19 @@ from kvconn.errors import ConfigError
 from kvconn.tools.cli import main
 
 
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "kvconn.tools.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_help_names_every_subcommand_and_the_purpose(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "stores bytes identical across tensor-parallel" in out
+    assert "backends" in out
 
 
-def test_help_names_every_subcommand_and_the_purpose():
-    out = run_cli("--help")
-    assert out.returncode == 0
-    assert "stores bytes identical across tensor-parallel" in out.stdout
-    assert "backends" in out.stdout
-
-
-def test_backends_lists_each_installed_backend_with_its_distribution_and_status():
-    out = run_cli("backends")
-    assert out.returncode == 0
-    line = next(line for line in out.stdout.splitlines() if line.startswith("lmdb"))
+def test_backends_lists_each_installed_backend_with_its_distribution_and_status(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("lmdb"))
     assert line.split()[1:] == ["kvconn", "ok"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -165,35 +166,20 @@ def test_inspect_reads_backend_options_from_kvconn_option_variables(capsys, tmp_
     assert json.loads(capsys.readouterr().out)["store"] == f"lmdb at {elsewhere}"
 
 
-def test_inspect_never_prints_a_password_given_in_a_url_or_an_option(tmp_path):
+def test_inspect_never_prints_a_password_given_in_a_url_or_an_option(capsys, caplog, monkeypatch):
     """The store is unreachable (a closed port), so the error path is what is shown."""
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again when the block ends: nothing listens
-    env = {**os.environ, "KVCONN_OPTION_PASSWORD": "hunter2-env"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvconn.tools.cli",
-            "inspect",
-            "--backend",
-            "redis",
-            "-o",
-            f"url=redis://alice:hunter2-url@127.0.0.1:{port}/0",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "hunter2" not in done.stdout + done.stderr
+    monkeypatch.setenv("KVCONN_OPTION_PASSWORD", "hunter2-env")
+    caplog.set_level(logging.DEBUG)  # what a log handler would have printed, and more
+    url = f"url=redis://alice:hunter2-url@127.0.0.1:{port}/0"
+    assert main(["inspect", "--backend", "redis", "-o", url, "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert "hunter2" not in out + err + caplog.text
 
 
 # ------------------------------------------------ keys other programs wrote (issue 11)
@@ -268,14 +254,8 @@ def test_inspect_prints_non_ascii_names_on_any_terminal(tmp_path, terminal, show
         )
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
-    done = subprocess.run(
-        [sys.executable, "-m", "kvconn.tools.cli", "inspect", "--path", str(store)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
-    assert f"kvconn/{shown}:" in done.stdout
+        if not extra:  # the plain report names the model
+            assert f"kvconn/{shown}:" in done.stdout
 
 
 def test_a_backend_that_cannot_list_gets_a_clear_error(capsys, monkeypatch):

@@ -88,8 +88,55 @@ class _RestartMaster:
 
 
 # ---------------------------------------------------------------- conformance
+class _SharedClient:
+    """One open backend for the tests that leave the server alone, opened when needed."""
+
+    def __init__(self) -> None:
+        self.backend: Any = None
+
+    def get(self, options: dict[str, Any]) -> Any:
+        if self.backend is None:
+            self.backend = _open(options)
+        return self.backend
+
+    def close(self) -> None:
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            backend.close()
+
+
+@pytest.fixture(scope="module")
+def shared_client(cluster: MooncakeCluster) -> Iterator[_SharedClient]:
+    shared = _SharedClient()
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
 class TestMooncakeConformance(BackendTests):
     backend_name = "mooncake"
+
+    @pytest.fixture
+    def backend(
+        self,
+        request: pytest.FixtureRequest,
+        backend_options: dict[str, Any],
+        shared_client: _SharedClient,
+    ) -> Iterator[Any]:
+        """Closing a Mooncake client takes ~1 s (its transfer engine), so the tests share
+        one; each writes under its own fresh prefix. A test that stops the server gets a
+        client of its own, and the shared one, which saw the server before, is opened
+        again by the next test."""
+        if "server_control" not in request.fixturenames:
+            yield shared_client.get(backend_options)
+            return
+        shared_client.close()
+        own = _open(backend_options)
+        try:
+            yield own
+        finally:
+            own.close()
 
     @pytest.fixture
     def backend_options(self, cluster: MooncakeCluster) -> dict[str, Any]:

@@ -19,7 +19,6 @@ picklable values: the multi-process test opens the backend again in child proces
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 import uuid
@@ -31,6 +30,7 @@ import pytest
 from kvconn.backend import Backend
 from kvconn.errors import BackendError, InvalidKeyError
 from kvconn.registry import load_backend
+from kvconn.testing.processes import rank_context, start
 
 
 class ServerControl(Protocol):
@@ -333,17 +333,14 @@ class BackendTests:
         self, backend: Backend, backend_options: dict[str, Any], prefix: str
     ) -> None:
         rounds = 16
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_context()
         queue = ctx.Queue()
         procs = [
-            ctx.Process(
-                target=_writer_process,
-                args=(self.backend_name, backend_options, prefix, p, rounds, queue),
+            start(
+                ctx, _writer_process, (self.backend_name, backend_options, prefix, p, rounds, queue)
             )
             for p in range(self.concurrent_processes)
         ]
-        for p in procs:
-            p.start()
         results = [queue.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(timeout=30)

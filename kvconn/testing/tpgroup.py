@@ -8,7 +8,6 @@ its real store, not only the per-call contract.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.hashing import block_hashes
 from kvconn.layout import KvLayout, shard_position
+from kvconn.testing.processes import rank_context, start
 
 
 def expected_bytes(block_hash: bytes, layer: int, role: str, shard: int, size: int) -> torch.Tensor:
@@ -131,17 +131,15 @@ def run_tp_group(
 ) -> list[RankReport]:
     """Run every rank as a process over ``requests``; reports ordered by rank."""
     tp = layout_factory().tp_size
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_context()
     barrier = ctx.Barrier(tp, timeout=timeout_s)
     queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, layout_factory, config, requests, barrier, queue))
-        for r in range(tp)
-    ]
-    for p in procs:
-        p.start()
+    procs = []
     reports = []
     try:
+        for r in range(tp):
+            args = (r, layout_factory, config, requests, barrier, queue)
+            procs.append(start(ctx, _rank_main, args))
         for _ in procs:
             reports.append(queue.get(timeout=timeout_s))
     finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import multiprocessing as mp
 import os
 import sys
 import traceback
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvconn.testing.processes import rank_context
 from kvconn.testing.ranks import run_ranks
 
 STANDIN = str(Path(__file__).parent / "standin")
@@ -75,8 +75,7 @@ def run(scenarios: Sequence[Scenario], timeout_s: float = 300.0) -> list[list[di
     tp = scenarios[0].tp
     if any(sc.tp != tp for sc in scenarios):
         raise ValueError("every scenario of one run has the same TP width")
-    ctx = mp.get_context("spawn")
-    channels = [ctx.Queue() for _ in range(tp)]
+    channels = [rank_context().Queue() for _ in range(tp)]
     by_rank = run_ranks(_rank_main, tp, (list(scenarios), channels), timeout_s=timeout_s)
     return [[by_rank[r][i] for r in range(tp)] for i in range(len(scenarios))]
 

