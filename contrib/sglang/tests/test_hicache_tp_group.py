@@ -16,6 +16,7 @@ import pytest
 import torch
 from harness import WORLD, Case, EvictPage, expected_page, run_cases
 
+from kvconn.integrity import PageChecksum
 from kvconn.registry import load_backend
 
 PAGES = 6
@@ -160,4 +161,9 @@ def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
             shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
         numel = int(torch.tensor(shape).prod())
         want = expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype)
-        assert stored_value(runs, name, r["first_page_key"]) == bytes(want.numpy())
+        # a stored value is the page, then its checksum trailer (kvconn.integrity)
+        key = r["first_page_key"]
+        value = stored_value(runs, name, key)
+        checksum = PageChecksum()
+        assert value[: -checksum.size] == bytes(want.numpy())
+        assert checksum.verify([memoryview(value)], [key]) == [True]
