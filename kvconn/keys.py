@@ -16,7 +16,9 @@ a page key has six and ``replicated`` or ``w<N>r<i>``.
 
 from __future__ import annotations
 
-from urllib.parse import quote
+import re
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
 
 from kvconn.errors import ConfigError
 
@@ -66,3 +68,109 @@ def manifest_prefix(prefix: str) -> str:
 def manifest_key(prefix: str, group: int, fingerprint: str) -> str:
     """The key of the manifest of the page kind ``fingerprint`` in layer group ``group``."""
     return f"{manifest_prefix(prefix)}lg{group}/{fingerprint}"
+
+
+# ---------------------------------------------------------------- parsing
+_SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
+_GROUP = re.compile(r"^lg(0|[1-9][0-9]*)$")
+_FINGERPRINT = re.compile(r"^t([1-9][0-9]*)b([1-9][0-9]*)-([0-9a-f]+)$")
+_HASH = re.compile(r"^[0-9a-f]+$")
+
+
+def fingerprint_geometry(fingerprint: str) -> tuple[int, int] | None:
+    """``(tokens_per_block, page bytes)`` a fingerprint ``t{tokens}b{bytes}-{hex}`` names."""
+    match = _FINGERPRINT.match(fingerprint)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """The parts of a page key (see :mod:`kvconn.keys`)."""
+
+    namespace: str
+    model: str
+    shard: str
+    num_shards: int | None  # None: replicated
+    shard_index: int
+    group: int
+    tokens_per_block: int
+    page_bytes: int
+    fingerprint: str
+    block_hash: str
+
+    @property
+    def shard_class(self) -> str:
+        return "replicated" if self.num_shards is None else f"w{self.num_shards}"
+
+
+def kvconn_alphabet(key: str) -> bool:
+    """Whether ``key`` could be a kvconn key at all: printable ASCII without spaces.
+
+    Other programs' keys sharing the store may be anything (non-ASCII, undecodable
+    bytes listed as surrogate escapes); those are "other keys", never pages to read.
+    """
+    return key.isascii() and key.isprintable() and " " not in key
+
+
+def parse_key(key: str) -> PageKey | None:
+    """The parts of a kvconn page key, or ``None`` for any other key (manifests included)."""
+    if not kvconn_alphabet(key):
+        return None
+    parts = key.split("/")
+    if len(parts) != 6:
+        return None
+    namespace, model, shard, group, fingerprint, block_hash = parts
+    m_shard = _SHARD.match(shard)
+    m_group = _GROUP.match(group)
+    m_fp = _FINGERPRINT.match(fingerprint)
+    if not (namespace and model and m_shard and m_group and m_fp and _HASH.match(block_hash)):
+        return None
+    num_shards = int(m_shard.group(1)) if m_shard.group(1) else None
+    shard_index = int(m_shard.group(2)) if m_shard.group(2) else 0
+    if num_shards is not None and shard_index >= num_shards:
+        return None
+    return PageKey(
+        namespace=unquote(namespace),
+        model=unquote(model),
+        shard=shard,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        group=int(m_group.group(1)),
+        tokens_per_block=int(m_fp.group(1)),
+        page_bytes=int(m_fp.group(2)),
+        fingerprint=fingerprint,
+        block_hash=block_hash,
+    )
+
+
+@dataclass(frozen=True)
+class ManifestKey:
+    """The parts of a layout manifest key (see :func:`kvconn.keys.manifest_key`)."""
+
+    namespace: str
+    model: str
+    group: int
+    fingerprint: str
+    prefix: str  # ``{namespace}/{model}/`` as stored (quoted)
+
+
+def parse_manifest_key(key: str) -> ManifestKey | None:
+    """The parts of a layout manifest key, or ``None`` for any other key (pages included)."""
+    if not kvconn_alphabet(key):
+        return None
+    parts = key.split("/")
+    if len(parts) != 5:
+        return None
+    namespace, model, marker, group, fingerprint = parts
+    m_group = _GROUP.match(group)
+    if not (namespace and model and marker == LAYOUT and m_group):
+        return None
+    if not _FINGERPRINT.match(fingerprint):
+        return None
+    return ManifestKey(
+        namespace=unquote(namespace),
+        model=unquote(model),
+        group=int(m_group.group(1)),
+        fingerprint=fingerprint,
+        prefix=f"{namespace}/{model}/",
+    )

@@ -21,10 +21,10 @@ from kvconn.errors import (
 )
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.integrity import PageChecksum
-from kvconn.keys import LAYOUT
+from kvconn.keys import LAYOUT, parse_key, parse_manifest_key
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
-from kvconn.plan import PageManifest, WriterPolicy, share_key
-from kvconn.tools.inspect_store import parse_key, parse_manifest_key
+from kvconn.manifest import PageManifest
+from kvconn.plan import WriterPolicy, share_key
 from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group

@@ -13,11 +13,12 @@ import pytest
 
 import kvconn.tools.inspect_store
 from kvconn.hashing import block_hashes
-from kvconn.keys import key_prefix, manifest_key, page_key
-from kvconn.plan import ManifestError, PageManifest, plan_pages
+from kvconn.keys import key_prefix, manifest_key, page_key, parse_key, parse_manifest_key
+from kvconn.manifest import ManifestError, PageManifest
+from kvconn.plan import plan_pages
 from kvconn.registry import load_backend
 from kvconn.tools.cli import main
-from kvconn.tools.inspect_store import footprint, parse_key, parse_manifest_key
+from kvconn.tools.inspect_store import footprint
 from kvconn.tools.models import PRESETS, minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import tp_group

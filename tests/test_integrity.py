@@ -24,13 +24,12 @@ from kvconn.connector import Connector
 from kvconn.errors import BackendUnavailable, ConfigError
 from kvconn.hashing import block_hashes
 from kvconn.integrity import NONE, XXH3_64, PageChecksum
-from kvconn.keys import key_prefix
+from kvconn.keys import key_prefix, parse_key, parse_manifest_key
 from kvconn.plan import WriterPolicy, plan_pages, share_key
 from kvconn.registry import backend_class, load_backend
 from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.devserver.redis import RedisServer
-from kvconn.tools.inspect_store import parse_key, parse_manifest_key
 from kvconn.tools.models import minimax_m3
 from tests.fakes import DictBackend
 from tests.helpers import slot_bytes, tp_group

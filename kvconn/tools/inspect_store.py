@@ -30,122 +30,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError
 from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
-from kvconn.keys import LAYOUT, key_part, manifest_prefix
-from kvconn.plan import ManifestError, PageManifest
+from kvconn.keys import (
+    fingerprint_geometry,
+    key_part,
+    manifest_prefix,
+    parse_key,
+    parse_manifest_key,
+)
+from kvconn.manifest import ManifestError, PageManifest
 from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
 from kvconn.tools.store_options import add_store_arguments, human_bytes, store_settings
 
-_SHARD = re.compile(r"^(?:replicated|w([1-9][0-9]*)r(0|[1-9][0-9]*))$")
-_GROUP = re.compile(r"^lg(0|[1-9][0-9]*)$")
-_FINGERPRINT = re.compile(r"^t([1-9][0-9]*)b([1-9][0-9]*)-([0-9a-f]+)$")
-_HASH = re.compile(r"^[0-9a-f]+$")
-
 #: A manifest lists a few dozen bytes per (layer, role); a value this large is not one.
 MAX_MANIFEST_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class PageKey:
-    """The parts of a page key (see :mod:`kvconn.keys`)."""
-
-    namespace: str
-    model: str
-    shard: str
-    num_shards: int | None  # None: replicated
-    shard_index: int
-    group: int
-    tokens_per_block: int
-    page_bytes: int
-    fingerprint: str
-    block_hash: str
-
-    @property
-    def shard_class(self) -> str:
-        return "replicated" if self.num_shards is None else f"w{self.num_shards}"
-
-
-def _kvconn_alphabet(key: str) -> bool:
-    """Whether ``key`` could be a kvconn key at all: printable ASCII without spaces.
-
-    Other programs' keys sharing the store may be anything (non-ASCII, undecodable
-    bytes listed as surrogate escapes); those are "other keys", never pages to read.
-    """
-    return key.isascii() and key.isprintable() and " " not in key
-
-
-def parse_key(key: str) -> PageKey | None:
-    """The parts of a kvconn page key, or ``None`` for any other key (manifests included)."""
-    if not _kvconn_alphabet(key):
-        return None
-    parts = key.split("/")
-    if len(parts) != 6:
-        return None
-    namespace, model, shard, group, fingerprint, block_hash = parts
-    m_shard = _SHARD.match(shard)
-    m_group = _GROUP.match(group)
-    m_fp = _FINGERPRINT.match(fingerprint)
-    if not (namespace and model and m_shard and m_group and m_fp and _HASH.match(block_hash)):
-        return None
-    num_shards = int(m_shard.group(1)) if m_shard.group(1) else None
-    shard_index = int(m_shard.group(2)) if m_shard.group(2) else 0
-    if num_shards is not None and shard_index >= num_shards:
-        return None
-    return PageKey(
-        namespace=unquote(namespace),
-        model=unquote(model),
-        shard=shard,
-        num_shards=num_shards,
-        shard_index=shard_index,
-        group=int(m_group.group(1)),
-        tokens_per_block=int(m_fp.group(1)),
-        page_bytes=int(m_fp.group(2)),
-        fingerprint=fingerprint,
-        block_hash=block_hash,
-    )
-
-
-@dataclass(frozen=True)
-class ManifestKey:
-    """The parts of a layout manifest key (see :func:`kvconn.keys.manifest_key`)."""
-
-    namespace: str
-    model: str
-    group: int
-    fingerprint: str
-    prefix: str  # ``{namespace}/{model}/`` as stored (quoted)
-
-
-def parse_manifest_key(key: str) -> ManifestKey | None:
-    """The parts of a layout manifest key, or ``None`` for any other key (pages included)."""
-    if not _kvconn_alphabet(key):
-        return None
-    parts = key.split("/")
-    if len(parts) != 5:
-        return None
-    namespace, model, marker, group, fingerprint = parts
-    m_group = _GROUP.match(group)
-    if not (namespace and model and marker == LAYOUT and m_group):
-        return None
-    if not _FINGERPRINT.match(fingerprint):
-        return None
-    return ManifestKey(
-        namespace=unquote(namespace),
-        model=unquote(model),
-        group=int(m_group.group(1)),
-        fingerprint=fingerprint,
-        prefix=f"{namespace}/{model}/",
-    )
 
 
 @dataclass
@@ -286,9 +192,9 @@ class Footprint:
             entry["pages"] += row.pages
             entry["bytes"] += row.bytes
             entry["replicated_bytes" if cls == "replicated" else "sharded_bytes"] += row.bytes
-            m = _FINGERPRINT.match(fingerprint)
-            assert m is not None
-            page_bytes = int(m.group(2))
+            geometry = fingerprint_geometry(fingerprint)
+            assert geometry is not None  # only parsed keys make rows
+            tokens_per_block, page_bytes = geometry
             entry["payload_bytes"] += row.pages * page_bytes
             status, manifest, problem = self._row_roles(namespace, model, cls, group, fingerprint)
             if manifest is not None:
@@ -311,7 +217,7 @@ class Footprint:
                     "shard_class": cls,
                     "layer_group": group,
                     "fingerprint": fingerprint,
-                    "tokens_per_block": int(m.group(1)),
+                    "tokens_per_block": tokens_per_block,
                     "page_bytes": page_bytes,
                     "checksum": manifest.checksum if manifest is not None else None,
                     "value_bytes": manifest.value_size if manifest is not None else None,

@@ -20,7 +20,7 @@ import pytest
 from engine_process import run_script
 from kvconn_lmdb import LmdbBackend
 
-from kvconn.tools.inspect_store import parse_key
+from kvconn.keys import parse_key
 
 PROMPT_TOKENS = 100  # three full blocks of 32, and a partial one that is never stored
 FULL_BLOCKS = 3
