@@ -39,6 +39,16 @@ ENV_TOOL_PREFIX = "KVCONN_DEV_"
 #: message at start-up instead of an allocation failure or a back-off that never ends.
 MAX_STAGING_BYTES = 1 << 40  # 1 TiB of host staging
 MAX_RETRY_INTERVAL_S = 86_400.0  # a day
+MAX_WAIT_S = 3_600.0  # an hour: no scheduler waits that long on a cache
+#: Settings read from text (the environment) as TOML literals: numbers, sizes.
+_NUMERIC = (
+    "staging_bytes",
+    "inflight_bytes",
+    "retry_interval_s",
+    "lookup_wait_s",
+    "lookup_timeout_s",
+    "load_timeout_s",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,18 @@ class ConnectorConfig:
     #: The checksum stored after every page and verified on load (``"xxh3-64"``), or
     #: ``"none"``. Part of every key: every process sharing pages must agree on it.
     checksum: str = DEFAULT_CHECKSUM
+    #: Ceiling of host staging held by asynchronous transfers (kvconn.transfer): pages
+    #: captured for saves not yet stored plus loads being read. At the ceiling new saves
+    #: are dropped (and counted) and loads wait: nothing grows without bound.
+    inflight_bytes: int = 1 << 30
+    #: How long a scheduler's lookup may wait for the store before it answers "ask again
+    #: later" (kvconn.lookup.DeadlineLookup)...
+    lookup_wait_s: float = 0.002
+    #: ...and how long after it started an unanswered lookup is answered as a miss.
+    lookup_timeout_s: float = 0.5
+    #: An asynchronous load not finished this long after it was submitted fails its
+    #: blocks (the engine recomputes them); its late bytes never reach the slots.
+    load_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -75,34 +97,16 @@ class ConnectorConfig:
                 f"writer_policy must be a name ('spread' or 'first'), got {self.writer_policy!r}"
             )
         object.__setattr__(self, "writer_policy", WriterPolicy.parse(self.writer_policy))
-        if isinstance(self.staging_bytes, str):  # "256MiB", from a file or the environment
-            size = parse_size(self.staging_bytes)
-            if size is None:
-                raise ConfigError(
-                    f"staging_bytes must be a size like 268435456 or '256MiB', "
-                    f"got {self.staging_bytes!r}"
-                )
-            object.__setattr__(self, "staging_bytes", size)
-        if (
-            isinstance(self.staging_bytes, bool)
-            or not isinstance(self.staging_bytes, int)
-            or not 1 <= self.staging_bytes <= MAX_STAGING_BYTES
-        ):
-            raise ConfigError(
-                f"staging_bytes must be an int between 1 and {MAX_STAGING_BYTES} (1 TiB), "
-                f"got {self.staging_bytes!r}"
-            )
+        for name in ("staging_bytes", "inflight_bytes"):
+            object.__setattr__(self, name, _size(getattr(self, name), name))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
-        if (
-            isinstance(self.retry_interval_s, bool)
-            or not isinstance(self.retry_interval_s, (int, float))
-            or not math.isfinite(self.retry_interval_s)
-            or not 0 <= self.retry_interval_s <= MAX_RETRY_INTERVAL_S
+        for name, low, high in (
+            ("retry_interval_s", 0.0, MAX_RETRY_INTERVAL_S),
+            ("lookup_wait_s", 0.0, MAX_WAIT_S),
+            ("lookup_timeout_s", 0.0, MAX_WAIT_S),
+            ("load_timeout_s", 0.001, MAX_RETRY_INTERVAL_S),
         ):
-            raise ConfigError(
-                f"retry_interval_s must be a number of seconds between 0 and "
-                f"{MAX_RETRY_INTERVAL_S:g}, got {self.retry_interval_s!r}"
-            )
+            _seconds(getattr(self, name), name, low, high)
 
     def __repr__(self) -> str:
         # Options carry credentials (a Redis password, a URL with one): a repr ends up in
@@ -168,13 +172,37 @@ class ConnectorConfig:
                     + ", ".join(sorted(ENV_PREFIX + n.upper() for n in names))
                     + f", {ENV_OPTION_PREFIX}<NAME>, {ENV_CONFIG_FILE}"
                 )
-            data[name] = (
-                parse_literal(raw) if name in ("staging_bytes", "retry_interval_s") else raw
-            )
+            data[name] = parse_literal(raw) if name in _NUMERIC else raw
         return cls.from_dict(data)
 
     def with_options(self, **options: Any) -> ConnectorConfig:
         return replace(self, options={**self.options, **options})
+
+
+def _size(value: object, name: str) -> int:
+    """A byte count given as an int or as text such as ``"256MiB"``."""
+    if isinstance(value, str):  # "256MiB", from a file or the environment
+        size = parse_size(value)
+        if size is None:
+            raise ConfigError(f"{name} must be a size like 268435456 or '256MiB', got {value!r}")
+        value = size
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STAGING_BYTES:
+        raise ConfigError(
+            f"{name} must be an int between 1 and {MAX_STAGING_BYTES} (1 TiB), got {value!r}"
+        )
+    return value
+
+
+def _seconds(value: object, name: str, low: float, high: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ConfigError(
+            f"{name} must be a number of seconds between {low:g} and {high:g}, got {value!r}"
+        )
 
 
 def _utf8_text(value: object, what: str) -> object:

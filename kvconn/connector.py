@@ -1,199 +1,153 @@
 """The per-rank connector: lookup, save and load over any backend.
 
-It applies DESIGN.md's rules in one place:
+It applies DESIGN.md's rules, each owned by its own module and orchestrated here:
 
 * lookup asks one batched ``exists`` for every page any rank will load, so the whole TP
-  group gets one answer (rule 3);
+  group gets one answer (rule 3; :mod:`kvconn.lookup`, usable without torch);
 * save writes only the pages this rank is the designated writer of, after skipping
-  those already stored (rule 4);
+  those already stored (rule 4; :mod:`kvconn.plan`);
 * load fills this rank's pool slots with its own shard's pages and the replicated ones,
   and reports the first block that failed and every later one (rule 5);
 * every stored value is the page and a checksum seeded by its key (kvconn.integrity),
   sealed on save and verified on load before any byte reaches a slot; a stored page
-  that fails it, or that is stored but cannot be read (a value of the wrong size), is
-  deleted so that the next lookup misses it and the next save rewrites it;
+  that fails it, or that is stored but cannot be read, is deleted so that the next
+  lookup misses it and the next save rewrites it (:mod:`kvconn.repair`);
 * backend errors become misses and dropped saves, counted and logged, never exceptions
-  into the serving loop (rule 6);
+  into the serving loop (rule 6; :mod:`kvconn.calls`);
 * the first save that reaches the store also puts the layout manifest of every page kind
-  (one batched put, after the save's pages), so ``kvconn inspect`` can tell which roles a
-  page holds; a failure there is retried on a later save and is never a dropped page.
+  (:mod:`kvconn.manifests`).
+
+``save`` and ``load`` run on the caller's thread. :class:`kvconn.transfer.TransferService`
+runs the same steps in the background and reports per-block outcomes through handles:
+it captures a save's pages with :meth:`Connector.capture` on the caller's thread and
+stores them with :meth:`Connector.store_captured` later.
 
 Threads: one connector may be called from several threads at once (SGLang asks
 ``exists``, ``get`` and ``set`` from three). Each save or load borrows its own staging
-buffer; back-off, counters and manifest state change under a lock; and calls to a
-backend that does not declare ``Capabilities.thread_safe`` are serialized by a lock
-shared by every connector over that backend object. ``register_pools`` and ``close``
-are not meant to race with transfers.
+buffer; counters and back-off change under locks; calls to a backend that does not
+declare ``Capabilities.thread_safe`` are serialized (:mod:`kvconn.calls`).
+``register_pools`` and ``close`` are not meant to race with transfers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
-import time
-import weakref
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kvconn.backend import Backend, VettedKeys
+from kvconn.backend import Backend
+from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
-from kvconn.errors import ArgumentError, BackendError, ConfigError, InvalidKeyError, LayoutError
-from kvconn.hashing import DIGEST_SIZE
-from kvconn.keys import key_prefix, manifest_key, page_key
-from kvconn.layout import KvLayout, shard_position
+from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
+from kvconn.lookup import Lookup, PageKeys, check_hashes
+from kvconn.manifests import ManifestWriter
 from kvconn.movement import PageMover, flat_bytes
-from kvconn.plan import (
-    PagePlan,
-    RankShare,
-    WriterPolicy,
-    count_prefix_hit,
-    lookup_keys,
-    plan_pages,
-    rank_shares,
-    share_key,
-    writes,
-)
-from kvconn.redaction import redact_url
+from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
-from kvconn.staging import Staging, StagingPool
+from kvconn.repair import PageRepair
+from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_outcomes
+from kvconn.slots import SlotMap, Slots, slot_map
+from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
 
-log = logging.getLogger("kvconn")
+__all__ = [
+    "CapturedPages",
+    "Connector",
+    "LoadResult",
+    "LookupResult",
+    "Outcome",
+    "SaveResult",
+    "Slots",
+]
 
-T = TypeVar("T")
-Slots = Sequence[int] | torch.Tensor | Mapping[int, Sequence[int] | torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    """The group-wide prefix hit: the same on every rank that asks at the same time."""
-
-    blocks: int
-    tokens: int
-    available: bool = True  # False: the backend could not answer; the hit reads as 0
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    written: int = 0  # pages this rank stored
-    skipped: int = 0  # pages it owned but found already stored
-    dropped: int = 0  # pages it owned but could not store (backend down or put refused)
+#: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
+Take = Callable[[int], tuple[torch.Tensor, memoryview]]
+#: Entered with a chunk's block count just before its bytes are scattered into slots;
+#: yields whether they may be (a cancelled asynchronous load writes nothing more).
+Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 
 @dataclass(frozen=True)
-class LoadResult:
-    """``loaded`` leading blocks are in the pool; ``failed`` must be recomputed.
+class _Page:
+    """One page a rank owns in a save: its page kind (share index), block and key."""
 
-    Slots of failed blocks are left untouched by this load.
+    share: int
+    block: int
+    key: str
+
+
+@dataclass
+class CapturedPages:
+    """Pages of one save, gathered out of the pool into staging rows, not yet stored.
+
+    ``values[i]`` is page ``pages[i]``'s stored value: the page, then room for its
+    checksum, which :meth:`Connector.store_captured` seals. Once captured, the pool slots
+    may be reused: the bytes are in staging.
     """
 
-    loaded: int
-    failed: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed
-
-
-class _Skipped(Exception):
-    """The backend is in its back-off window: treat as unavailable without asking."""
+    blocks: int  # blocks in the save
+    pages: list[_Page]
+    values: list[memoryview]
+    owned: set[int]  # blocks with at least one page this rank writes
+    ready: Callable[[], None] = lambda: None  # waits until the gather has finished
 
 
 class Connector:
     """One rank's view of the store; safe to call from several threads (module docstring).
 
     Without pools it still answers :meth:`lookup`, which needs only the layout's
-    geometry: an engine's scheduler builds one from ``KvLayout.from_dict`` and never
-    holds KV tensors.
+    geometry; a scheduler that never holds KV tensors should use the torch-free
+    :class:`kvconn.lookup.Lookup` instead.
     """
 
     def __init__(
         self,
         config: ConnectorConfig | Mapping[str, Any],
-        layout: KvLayout,
+        layout: Any,
         *,
         rank: int = 0,
         pools: Sequence[torch.Tensor] | None = None,
         backend: Backend | None = None,
     ) -> None:
-        if not isinstance(config, ConnectorConfig):
-            config = ConnectorConfig.from_dict(config)
-        if not isinstance(layout, KvLayout):
-            raise LayoutError(f"layout must be a KvLayout, got {layout!r:.80}")
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
-        shard_position(rank, layout.tp_size, 1)  # validates rank against tp_size
-        self.config = config
-        self.layout = layout
+        self.keys = PageKeys(config, layout)
+        self.config: ConnectorConfig = self.keys.config
+        self.layout = self.keys.layout
         self.rank = rank
-        self.plans: tuple[PagePlan, ...] = plan_pages(layout, config.checksum)
-        self.shares: tuple[RankShare, ...] = rank_shares(layout, self.plans, rank)
-        self.prefix = key_prefix(config.namespace, config.model)
-        # One manifest per page kind (two plans never share a group and fingerprint: the
-        # fingerprint hashes the class). Put once, lazily, by the first save that
-        # reaches the store; put never overwrites, so every rank doing it is harmless.
-        self._manifests: dict[str, bytes] = {
-            manifest_key(self.prefix, p.group, p.fingerprint): p.manifest.to_json()
-            for p in self.plans
-        }
-        self._manifests_stored = False
+        self.plans = self.keys.plans
+        self.shares: tuple[RankShare, ...] = self.keys.shares(rank)  # validates the rank
+        self.prefix = self.keys.prefix
         self.stats = ConnectorStats()
         self.backend = (
-            backend if backend is not None else load_backend(config.backend, config.options)
+            backend
+            if backend is not None
+            else load_backend(self.config.backend, self.config.options)
         )
-        self._check_key_length()
-        self._down_until = 0.0
-        self._down = False
-        self._corruption_reported = False
-        #: Guards back-off and manifest state; never held across a backend call.
-        self._state_lock = threading.Lock()
-        self._backend_guard = _call_guard(self.backend)
+        self.calls = BackendCalls(
+            self.backend,
+            name=self.config.backend,
+            retry_interval_s=self.config.retry_interval_s,
+            stats=self.stats,
+        )
+        self.calls.check_keys(
+            self.keys.key_shapes(), model=self.config.model, namespace=self.config.namespace
+        )
+        self._lookup = Lookup(self.config, self.layout, keys=self.keys, calls=self.calls)
+        self._repair = PageRepair(self.calls)
+        self._manifests = ManifestWriter(self.calls, self.keys.manifests)
         self._movers: list[PageMover] | None = None
         self.pools: list[torch.Tensor] = []
-        self._device = torch.device("cpu")
-        self._staging = StagingPool(self.backend, pin=False, guard=self._backend_guard)
+        self.device = torch.device("cpu")
+        self._staging = StagingPool(self.backend, pin=False, guard=self.calls.guard)
+        self.closed = False
         if pools is not None:
             self.register_pools(pools)
 
     # ------------------------------------------------------------------ setup
-    def _check_key_length(self) -> None:
-        """Fail at start-up if some key would exceed the backend's limit.
-
-        Otherwise every call would raise ``InvalidKeyError`` inside ``_call`` and read
-        as a store outage: the cache silently never works and the log blames the store.
-        """
-        longest_hash = b"\xff" * DIGEST_SIZE
-        keys = [
-            page_key(
-                self.prefix,
-                plan.shard_class.component(plan.shard_class.shard_count - 1),
-                plan.group,
-                plan.fingerprint,
-                longest_hash,
-            )
-            for plan in self.plans
-        ]
-        longest = max([*keys, *self._manifests], key=len)
-        limit = self.backend.max_key_length
-        if len(longest) > limit:
-            raise ConfigError(
-                f"keys would be {len(longest)} characters, over the {self.backend.name!r} "
-                f"backend's limit of {limit}: shorten the model name ({self.config.model!r}) "
-                f"or the namespace ({self.config.namespace!r})"
-            )
-        # Every key this connector makes has one of these shapes with a fixed-size hex
-        # digest, so checking the shapes once vouches for every batch (VettedKeys).
-        VettedKeys([*keys, *self._manifests], limit)
-        self._key_limit = limit
-
-    def _vetted(self, keys: Sequence[str]) -> VettedKeys:
-        return VettedKeys.unchecked(keys, self._key_limit)
-
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
         """Attach this rank's KV pool tensors (the layout's ``pool`` indices)."""
         if isinstance(pools, torch.Tensor) or not isinstance(pools, Sequence):
@@ -219,7 +173,7 @@ class Connector:
                 flats.append(flat_bytes(pool))
             except ValueError as exc:
                 raise LayoutError(f"pool {i}: {exc}") from None
-        self._device = pools[0].device
+        self.device = pools[0].device
         self.pools = list(pools)
         self._movers = [
             PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
@@ -228,10 +182,15 @@ class Connector:
         # CUDA pools need pinned staging; nothing is allocated until the first transfer
         self._staging.release()
         self._staging = StagingPool(
-            self.backend, pin=self._device.type == "cuda", guard=self._backend_guard
+            self.backend, pin=self.device.type == "cuda", guard=self.calls.guard
         )
 
     def close(self) -> None:
+        """Release staging and close the backend; later calls raise ``ConnectorClosed``."""
+        if self.closed:
+            return
+        self.closed = True
+        self._lookup.closed = True
         self._staging.release()
         self.backend.close()
 
@@ -244,20 +203,7 @@ class Connector:
     # ------------------------------------------------------------------ lookup
     def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
         """The longest prefix of blocks whose every page, for every rank, is stored."""
-        hashes = _check_hashes(block_hashes)
-        self.stats.bump("lookups")
-        if not hashes:
-            return LookupResult(0, 0)
-        per_block = lookup_keys(self.prefix, self.plans, hashes)
-        flat = [k for keys in per_block for k in keys]
-        try:
-            present = self._call("exists", lambda: self.backend.exists(self._vetted(flat)))
-        except _Skipped:
-            self.stats.bump("lookup_errors")
-            return LookupResult(0, 0, available=False)
-        it = iter(present)
-        blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
-        return LookupResult(blocks, blocks * self.layout.tokens_per_block)
+        return self._lookup.lookup(block_hashes)
 
     # ------------------------------------------------------------------ save
     def save(
@@ -273,121 +219,238 @@ class Connector:
         an engine that decides itself which rank saves (SGLang MLA: rank 0 only): this
         rank then writes every page it holds that is not stored yet.
         """
-        hashes = _check_hashes(block_hashes)
-        slot_map = self._slot_map(slots, hashes)
-        movers = self._require_pools()
+        hashes, slots_ = self.check_transfer(block_hashes, slots)
+        pages = self.owned_pages(hashes, writer_policy)
+        if not pages:
+            return SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes))
+        try:
+            present = self.calls.exists([p.key for p in pages])
+        except Unavailable:
+            return self._give_up(len(hashes), pages)
+        todo = _first_missing(pages, present)
+        ok_by_key: dict[str, bool] = {}
+        with self._staging.borrow() as staging:
+            # Only the missing pages are gathered: existence is asked first.
+            chosen = [pages[i] for i in todo.values()]
+            for part in self.split_pages(chosen):
+                buffer, view = staging.take(self.capture_bytes(part))
+                values = self._gather(part, slots_, buffer, view)
+                ok_by_key.update(zip((p.key for p in part), self._put_values(part, values)))
+            self._manifests.store(lambda n: staging.take(n)[1])
+        return self._settle(len(hashes), pages, present, todo, ok_by_key)
+
+    def owned_pages(
+        self, hashes: Sequence[bytes], writer_policy: WriterPolicy | str | None = None
+    ) -> list[_Page]:
+        """The pages of ``hashes`` this rank writes under the policy, page kind by kind."""
         policy = self.config.writer_policy
         if writer_policy is not None:
             policy = WriterPolicy.parse(writer_policy)
-        owned: list[tuple[int, list[int], list[str]]] = []  # (share index, blocks, keys)
+        pages: list[_Page] = []
         for s, share in enumerate(self.shares):
-            blocks = [i for i, h in enumerate(hashes) if writes(share, h, policy)]
-            owned.append((s, blocks, [share_key(self.prefix, share, hashes[i]) for i in blocks]))
-        all_keys = [k for _, _, keys in owned for k in keys]
-        if not all_keys:
-            return SaveResult()
-        try:
-            present = self._call("exists", lambda: self.backend.exists(self._vetted(all_keys)))
-        except _Skipped:
-            for s, blocks, _ in owned:
-                self.stats.add("dropped", self.shares[s].plan, len(blocks))
-            return SaveResult(dropped=len(all_keys))
-        with self._staging.borrow() as staging:
-            result = self._write_missing(owned, present, movers, slot_map, staging)
-        return result
+            for b, h in enumerate(hashes):
+                if writes(share, h, policy):
+                    pages.append(_Page(s, b, share_key(self.prefix, share, h)))
+        return pages
 
-    def _write_missing(
+    def capture(
         self,
-        owned: Sequence[tuple[int, list[int], list[str]]],
-        present: Sequence[bool],
-        movers: Sequence[PageMover],
-        slot_map: Mapping[int, torch.Tensor],
-        staging: Staging,
-    ) -> SaveResult:
-        written = skipped = dropped = 0
-        pos = 0
-        for s, blocks, keys in owned:
-            plan = self.shares[s].plan
-            flags = present[pos : pos + len(keys)]
-            pos += len(keys)
-            todo = [(b, k) for b, k, there in zip(blocks, keys, flags) if not there]
-            todo = list(dict(((k, (b, k)) for b, k in todo)).values())  # a block twice: once
-            skipped_here = len(keys) - len(todo)
-            self.stats.add("skipped", plan, skipped_here)
-            skipped += skipped_here
-            chunk = self._chunk_blocks(plan.value_size)
-            for start in range(0, len(todo), chunk):
-                part = todo[start : start + chunk]
-                ok = self._put_pages(s, movers[s], slot_map, part, staging)
-                self.stats.add("written", plan, ok)
-                self.stats.add("dropped", plan, len(part) - ok)
-                written += ok
-                dropped += len(part) - ok
-        if not self._manifests_stored:
-            self._store_manifests(staging)
-        return SaveResult(written, skipped, dropped)
+        block_hashes: Sequence[bytes],
+        slots: SlotMap,
+        pages: Sequence[_Page],
+        buffer: torch.Tensor,
+        view: memoryview,
+    ) -> CapturedPages:
+        """Gather ``pages`` into ``buffer`` (``capture_bytes(pages)`` long) for a later store.
 
-    def _store_manifests(self, staging: Staging) -> None:
-        """Put every page kind's layout manifest in one batch; on failure, a later save retries.
-
-        Runs after the save's own pages, so its failure cannot cost this save a page, and
-        it is not a page: nothing is counted as written or dropped. A backend error is
-        still a backend error (counted, logged once, backed off), like any other call.
+        On a CUDA pool the gather is queued on a side stream after the caller's current
+        stream, and ``ready`` waits for it: the caller's thread does not wait, and work
+        the caller queues later on its stream must be ordered after :meth:`ready` or an
+        event it records (the transfer service does this).
         """
-        keys = list(self._manifests)
-        # Put from the staging buffer, like pages: a zero-copy store (Mooncake) then moves
-        # them from its registered memory instead of copying through scratch space.
-        _, view = staging.take(sum(len(v) for v in self._manifests.values()))
+        values = self._gather(pages, slots, buffer, view, sync=False)
+        ready: Callable[[], None] = lambda: None  # noqa: E731
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self.device))
+            ready = event.synchronize
+        owned = {p.block for p in pages}
+        return CapturedPages(len(block_hashes), list(pages), values, owned, ready)
+
+    def store_captured(self, batch: Sequence[CapturedPages]) -> list[SaveResult]:
+        """Store captured saves together: one ``exists`` and one ``put`` for all of them.
+
+        Seals each page's checksum, skips pages already stored (and a page captured twice:
+        it is put once), and returns one result per captured save.
+        """
+        for captured in batch:
+            captured.ready()
+        pages = [p for c in batch for p in c.pages]
+        values = [v for c in batch for v in c.values]
+        if not pages:
+            return [SaveResult(blocks=(Outcome.SKIPPED,) * c.blocks) for c in batch]
+        try:
+            present = self.calls.exists([p.key for p in pages])
+        except Unavailable:
+            return [self._give_up(c.blocks, c.pages) for c in batch]
+        todo = _first_missing(pages, present)
+        chosen = list(todo.values())
+        ok = self._put_values([pages[i] for i in chosen], [values[i] for i in chosen])
+        ok_by_key = dict(zip(todo, ok))
+        self._manifests.store(lambda n: memoryview(bytearray(n)))
+        results = []
+        offset = 0
+        for captured in batch:
+            end = offset + len(captured.pages)
+            # indices are per batch; rebase them on this save's pages
+            mine = {k: i - offset for k, i in todo.items() if offset <= i < end}
+            results.append(
+                self._settle(captured.blocks, captured.pages, present[offset:end], mine, ok_by_key)
+            )
+            offset = end
+        return results
+
+    def _settle(
+        self,
+        blocks: int,
+        pages: Sequence[_Page],
+        present: Sequence[bool],
+        put_here: Mapping[str, int],
+        ok_by_key: Mapping[str, bool],
+    ) -> SaveResult:
+        """Count a save's pages and make its per-block outcomes.
+
+        A page found stored is skipped; the page put for a key is written or dropped by
+        the put's answer; another page of the same key (a block given twice) is skipped
+        when that put succeeded and dropped when it did not.
+        """
+        events: dict[str, list[_Page]] = {"written": [], "skipped": [], "dropped": []}
+        for i, (page, there) in enumerate(zip(pages, present)):
+            if there:
+                event = "skipped"
+            elif put_here.get(page.key) == i:
+                event = "written" if ok_by_key[page.key] else "dropped"
+            else:
+                event = "skipped" if ok_by_key.get(page.key, False) else "dropped"
+            events[event].append(page)
+        for event, which in events.items():
+            self._count_pages(event, which)
+        return SaveResult(
+            len(events["written"]),
+            len(events["skipped"]),
+            len(events["dropped"]),
+            save_outcomes(
+                blocks,
+                {p.block for p in events["written"]},
+                {p.block for p in events["dropped"]},
+            ),
+        )
+
+    def drop(self, blocks: int, pages: Sequence[_Page]) -> SaveResult:
+        """A save given up before it reached the store (no staging room): counted."""
+        return self._give_up(blocks, pages)
+
+    def capture_bytes(self, pages: Sequence[_Page]) -> int:
+        """Staging bytes :meth:`capture` needs for ``pages`` (rows of ``value_size``,
+        each page kind's rows starting on an aligned boundary)."""
+        total = 0
+        for s, count in _kinds(pages):
+            total = _aligned(total + count * self.shares[s].plan.value_size)
+        return total
+
+    def _give_up(self, blocks: int, pages: Sequence[_Page]) -> SaveResult:
+        self._count_pages("dropped", pages)
+        dropped = {p.block for p in pages}
+        return SaveResult(dropped=len(pages), blocks=save_outcomes(blocks, set(), dropped))
+
+    def split_pages(self, pages: Sequence[_Page]) -> Iterator[list[_Page]]:
+        """``pages`` in runs whose capture fits ``staging_bytes`` (at least one page each)."""
+        part: list[_Page] = []
+        closed = 0  # capture bytes of the finished runs of page kinds in ``part``
+        count = 0  # pages in the current run
+        for page in pages:
+            row = self.shares[page.share].plan.value_size
+            if part and part[-1].share == page.share:
+                size = _aligned(closed + (count + 1) * row)
+            elif part:
+                prev = self.shares[part[-1].share].plan.value_size
+                size = _aligned(_aligned(closed + count * prev) + row)
+            else:
+                size = _aligned(row)
+            if part and size > self.config.staging_bytes:
+                yield part
+                part, closed, count = [], 0, 0
+            elif part and part[-1].share != page.share:
+                closed = _aligned(closed + count * self.shares[part[-1].share].plan.value_size)
+                count = 0
+            part.append(page)
+            count += 1
+        if part:
+            yield part
+
+    def _gather(
+        self,
+        pages: Sequence[_Page],
+        slots: SlotMap,
+        buffer: torch.Tensor,
+        view: memoryview,
+        *,
+        sync: bool = True,
+    ) -> list[memoryview]:
+        """Copy ``pages`` out of the pool into rows of ``buffer``; their value views."""
+        movers = self._require_pools()
         values: list[memoryview] = []
         offset = 0
-        for value in self._manifests.values():
-            view[offset : offset + len(value)] = value
-            values.append(view[offset : offset + len(value)])
-            offset += len(value)
-        try:
-            stored = self._call("put", lambda: self.backend.put(self._vetted(keys), values))
-        except _Skipped:
-            return
-        with self._state_lock:  # a concurrent save may have stored them meanwhile
-            self._manifests_stored = self._manifests_stored or all(stored)
-        if not all(stored):
-            log.debug("kvconn: a layout manifest put was refused; a later save retries")
-
-    def _put_pages(
-        self,
-        s: int,
-        mover: PageMover,
-        slot_map: Mapping[int, torch.Tensor],
-        part: Sequence[tuple[int, str]],
-        staging: Staging,
-    ) -> int:
-        plan = self.shares[s].plan
-        n, row = len(part), plan.value_size
-        buffer, view = staging.take(n * row)
-        index = slot_map[plan.group][torch.tensor([b for b, _ in part], dtype=torch.long)]
-        self._gather_rows(mover, index, buffer[: n * row].view(n, row), plan.page_size)
-        values = [view[i * row : (i + 1) * row] for i in range(n)]
-        keys = [k for _, k in part]
-        plan.checksum.seal(values, keys)
-        try:
-            return sum(self._call("put", lambda: self.backend.put(self._vetted(keys), values)))
-        except _Skipped:
-            return 0
+        i = 0
+        for s, count in _kinds(pages):
+            plan = self.shares[s].plan
+            row = plan.value_size
+            part = pages[i : i + count]
+            i += count
+            rows = buffer[offset : offset + count * row].view(count, row)
+            index = slots[plan.group][torch.tensor([p.block for p in part], dtype=torch.long)]
+            self._gather_rows(movers[s], index, rows, plan.page_size)
+            values.extend(view[offset + j * row : offset + (j + 1) * row] for j in range(count))
+            offset = _aligned(offset + count * row)
+        if sync:
+            self._sync()
+        return values
 
     def _gather_rows(
         self, mover: PageMover, index: torch.Tensor, rows: torch.Tensor, size: int
     ) -> None:
         """Gather pages into the first ``size`` bytes of each staging row (the rest: the
         checksum, written after)."""
-        if self._device.type == "cpu" or rows.shape[1] == size:
-            mover.gather(index.to(self._device), rows[:, :size])
+        if self.device.type == "cpu" or rows.shape[1] == size:
+            mover.gather(index.to(self.device), rows[:, :size])
         else:
             # Gather into rows of the same shape on the device, then copy them whole: a
             # copy into strided pinned memory would go through a bounce buffer.
-            on_device = torch.empty(rows.shape, dtype=torch.uint8, device=self._device)
-            mover.gather(index.to(self._device), on_device[:, :size])
+            on_device = torch.empty(rows.shape, dtype=torch.uint8, device=self.device)
+            mover.gather(index.to(self.device), on_device[:, :size])
             rows.copy_(on_device, non_blocking=True)
-        self._sync()
+
+    def _put_values(self, pages: Sequence[_Page], values: Sequence[memoryview]) -> list[bool]:
+        for page, value in zip(pages, values):
+            self.shares[page.share].plan.checksum.seal([value], [page.key])
+        return self._put([p.key for p in pages], values)
+
+    def _put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            return list(
+                self.calls.call("put", lambda: self.backend.put(self.calls.vetted(keys), values))
+            )
+        except Unavailable:
+            return [False] * len(keys)
+
+    def _count_pages(self, event: str, pages: Iterator[_Page] | Sequence[_Page]) -> None:
+        counts: dict[int, int] = {}
+        for page in pages:
+            counts[page.share] = counts.get(page.share, 0) + 1
+        for s, n in counts.items():
+            self.stats.add(event, self.shares[s].plan, n)
 
     # ------------------------------------------------------------------ load
     def load(self, block_hashes: Sequence[bytes], slots: Slots) -> LoadResult:
@@ -397,33 +460,60 @@ class Connector:
         checksum; the first block that did not, and every block after it, are returned as
         failed and their slots are not written, so the engine recomputes exactly those.
         """
-        hashes = _check_hashes(block_hashes)
-        slot_map = self._slot_map(slots, hashes)
+        hashes, slots_ = self.check_transfer(block_hashes, slots)
+        with self._staging.borrow() as staging:
+            return self.load_into(hashes, slots_, staging.take)
+
+    def load_into(
+        self,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        take: Take,
+        *,
+        gate: Gate | None = None,
+        done: Callable[[], None] | None = None,
+    ) -> LoadResult:
+        """:meth:`load` of checked arguments, reading through staging that ``take`` lends.
+
+        ``take`` is called once per chunk; ``done`` (if given) after each chunk's bytes
+        are no longer needed. ``gate`` is entered before bytes are scattered into slots:
+        a load cancelled meanwhile (the engine gave up on it) writes nothing more.
+        """
         movers = self._require_pools()
         per_block = sum(sh.plan.value_size for sh in self.shares)
-        chunk = self._chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
+        chunk = self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
         loaded = 0
-        with self._staging.borrow() as staging:
-            for start in range(0, len(hashes), chunk):
-                stop = min(start + chunk, len(hashes))
-                good = self._load_chunk(hashes, start, stop, slot_map, movers, staging)
-                loaded += good
-                if start + good < stop:
-                    break
+        for start in range(0, len(hashes), chunk):
+            stop = min(start + chunk, len(hashes))
+            try:
+                good = self._load_chunk(hashes, start, stop, slots, movers, take, gate)
+            finally:
+                if done is not None:
+                    done()
+            loaded += good
+            if start + good < stop:
+                break
         failed = tuple(range(loaded, len(hashes)))
         if failed:
             for share in self.shares:
                 self.stats.add("failed", share.plan, len(failed))
         return LoadResult(loaded, failed)
 
+    def load_bytes(self, blocks: int) -> int:
+        """Staging one chunk of a load of ``blocks`` blocks takes at most."""
+        per_block = sum(sh.plan.value_size for sh in self.shares)
+        chunk = min(blocks, self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares)))
+        return _STAGING_ALIGN * len(self.shares) + chunk * per_block
+
     def _load_chunk(
         self,
         hashes: Sequence[bytes],
         start: int,
         stop: int,
-        slot_map: Mapping[int, torch.Tensor],
+        slots: SlotMap,
         movers: Sequence[PageMover],
-        staging: Staging,
+        take: Take,
+        gate: Gate | None,
     ) -> int:
         n = stop - start
         # Each page kind starts on an aligned boundary, so its pages can be read as the
@@ -434,7 +524,7 @@ class Connector:
         for share in self.shares:
             offsets.append(total)
             total = _aligned(total + n * share.plan.value_size)
-        buffer, view = staging.take(total)
+        buffer, view = take(total)
         keys: list[str] = []
         buffers: list[memoryview] = []
         for share, offset in zip(self.shares, offsets):
@@ -444,142 +534,45 @@ class Connector:
                 buffers.append(view[offset + i * row : offset + (i + 1) * row])
         # Scratch: staging pages of keys that fail are never scattered (below).
         try:
-            arrived = self._call(
-                "get", lambda: self.backend.get(self._vetted(keys), buffers, scratch=True)
+            arrived = self.calls.call(
+                "get", lambda: self.backend.get(self.calls.vetted(keys), buffers, scratch=True)
             )
-        except _Skipped:
+        except Unavailable:
             return 0
-        ok = self._usable(keys, buffers, arrived, n)
+        ok = self._repair.usable(self.shares, keys, buffers, arrived, n)
         good = n
         for s in range(len(self.shares)):
             flags = ok[s * n : (s + 1) * n]
             good = min(good, next((i for i, f in enumerate(flags) if not f), n))
         if good == 0:
             return 0
-        for s, share in enumerate(self.shares):
-            size, row = share.plan.page_size, share.plan.value_size
-            rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
-            if rows.device != self._device:  # whole rows: one contiguous host-to-device copy
-                rows = rows.to(self._device, non_blocking=True)
-            index = slot_map[share.plan.group][start : start + good]
-            movers[s].scatter(index.to(self._device), rows[:, :size])
-            self.stats.add("loaded", share.plan, good)
-        self._sync()
+        with gate(good) if gate is not None else contextlib.nullcontext(True) as allowed:
+            if not allowed:
+                return 0
+            for s, share in enumerate(self.shares):
+                size, row = share.plan.page_size, share.plan.value_size
+                rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
+                if rows.device != self.device:  # whole rows: one contiguous host-to-device copy
+                    rows = rows.to(self.device, non_blocking=True)
+                index = slots[share.plan.group][start : start + good]
+                movers[s].scatter(index.to(self.device), rows[:, :size])
+                self.stats.add("loaded", share.plan, good)
+            self._sync()
         return good
 
-    def _usable(
-        self, keys: Sequence[str], buffers: Sequence[memoryview], arrived: Sequence[bool], n: int
-    ) -> list[bool]:
-        """Per page of a get (``n`` per page kind), whether it arrived whole and verified.
-
-        Every page that arrived is verified, also after the first failure: a bad page
-        found now is repaired now, before the save that follows the engine's recompute
-        would skip it as already stored.
-        """
-        usable = list(arrived)
-        damaged: dict[str, PagePlan] = {}
-        unread: dict[str, PagePlan] = {}
-        for s, share in enumerate(self.shares):
-            here = range(s * n, (s + 1) * n)
-            got = [i for i in here if arrived[i]]
-            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
-            for i, verified in zip(got, checks):
-                if not verified:
-                    usable[i] = False
-                    damaged[keys[i]] = share.plan
-            unread.update((keys[i], share.plan) for i in here if not arrived[i])
-        if damaged or unread:
-            self._repair(damaged, unread)
-        return usable
-
-    def _repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
-        """Delete stored pages that cannot be loaded, so the next save rewrites them.
-
-        ``damaged`` pages arrived with a wrong checksum. ``unread`` ones did not arrive:
-        those still stored are unreadable (a value of the wrong size), the others were
-        evicted since the lookup, which is no fault of theirs. A backend error while
-        asking or deleting is a backend error (counted, backed off), never corruption.
-        Without ``Capabilities.delete`` the pages are counted and logged, and fail until
-        the store drops them: a put never overwrites.
-        """
-        if unread:
-            asked = list(unread)
-            try:
-                stored = self._call("exists", lambda: self.backend.exists(self._vetted(asked)))
-            except _Skipped:
-                stored = [False] * len(asked)
-            damaged.update((k, unread[k]) for k, there in zip(asked, stored) if there)
-        if not damaged:
-            return
-        for plan, count in Counter(damaged.values()).items():
-            self.stats.add("corrupt", plan, count)
-        keys = list(damaged)
-        can_delete = self.backend.capabilities.delete
-        self._report_corruption(keys, can_delete)
-        if not can_delete:
-            return
-        try:
-            deleted = self._call("delete", lambda: self.backend.delete(self._vetted(keys)))
-        except _Skipped:
-            return
-        for plan, count in Counter(damaged[k] for k, gone in zip(keys, deleted) if gone).items():
-            self.stats.add("repaired", plan, count)
-
-    def _report_corruption(self, keys: Sequence[str], can_delete: bool) -> None:
-        """A warning the first time, then debug: the ``corrupt`` counter keeps the count."""
-        with self._state_lock:
-            first, self._corruption_reported = not self._corruption_reported, True
-        what = (
-            "deleting them so the next save rewrites them"
-            if can_delete
-            else f"the {self.backend.name!r} backend cannot delete, so they fail until the "
-            "store drops them"
-        )
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "kvconn: %d stored page(s) failed their checksum or could not be read (first: %s); %s",
-            len(keys),
-            keys[0],
-            what,
-        )
-
     # ------------------------------------------------------------------ helpers
-    def _call(self, op: str, fn: Callable[[], T]) -> T:
-        """Run a backend call; on failure log, count, back off and raise ``_Skipped``."""
-        if time.monotonic() < self._down_until:
-            raise _Skipped
-        try:
-            with self._backend_guard:
-                result = fn()
-        except InvalidKeyError:
-            raise  # our own key is at fault, not the store: never hide it as an outage
-        except Exception as exc:
-            self.stats.bump("backend_errors")
-            with self._state_lock:
-                # From the failure, not the start: a call that timed out after longer
-                # than the interval must still leave a window in which no call waits.
-                self._down_until = time.monotonic() + self.config.retry_interval_s
-                first = not self._down
-                self._down = True
-            if first:
-                log.warning(
-                    "kvconn: backend %r failed in %s (%s); serving without the cache, "
-                    "retrying after %.1fs",
-                    self.config.backend,
-                    op,
-                    redact_url(str(exc)),
-                    self.config.retry_interval_s,
-                    exc_info=not isinstance(exc, (OSError, BackendError)),
-                )
-            raise _Skipped from exc
-        if self._down:
-            with self._state_lock:
-                recovered, self._down = self._down, False
-            if recovered:
-                log.info("kvconn: backend %r answers again", self.config.backend)
-        return result
+    def check_transfer(
+        self, block_hashes: Sequence[bytes], slots: Slots
+    ) -> tuple[list[bytes], SlotMap]:
+        """A save's or load's arguments, checked before anything is read or written."""
+        if self.closed:
+            raise ConnectorClosed("save or load on a closed kvconn connector")
+        hashes = check_hashes(block_hashes)
+        slots_ = slot_map(self.layout, slots, hashes)
+        self._require_pools()
+        return hashes, slots_
 
-    def _chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
+    def chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
         """Blocks per chunk so that a chunk (plus ``padding``) fits ``staging_bytes``."""
         room = self.config.staging_bytes - padding
         return max(1, room // max(1, bytes_per_block))
@@ -590,114 +583,32 @@ class Connector:
         return self._movers
 
     def _sync(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
-
-    def _slot_map(self, slots: Slots, hashes: Sequence[bytes]) -> dict[int, torch.Tensor]:
-        """Each layer group's slots, one per block, as a CPU long tensor.
-
-        Refused before anything is read or written: a count other than one slot per
-        block, a slot outside its group, and one slot named for two different blocks --
-        a load would leave only the last of them in it while reporting both loaded, and
-        a save would store that slot's bytes under both blocks' keys. (The same block
-        twice in one slot is harmless and allowed.)
-        """
-        groups = [g.index for g in self.layout.groups]
-        if isinstance(slots, Mapping):
-            missing = sorted(set(groups) - set(slots))
-            if missing:
-                raise ArgumentError(f"slots are missing for layer group(s) {missing}")
-            unknown = sorted(map(repr, set(slots) - set(groups)))
-            if unknown:
-                raise ArgumentError(
-                    f"slots name layer group(s) {', '.join(unknown)} that the layout does not "
-                    f"have (its groups: {groups})"
-                )
-        # One conversion per distinct sequence: usually one list serves every group.
-        converted: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        out: dict[int, torch.Tensor] = {}
-        for g in groups:
-            seq = slots[g] if isinstance(slots, Mapping) else slots
-            if id(seq) not in converted:
-                converted[id(seq)] = _slot_list(seq, g, hashes)
-            t, values = converted[id(seq)]
-            num_slots = self.layout.group(g).num_slots
-            if values and (min(values) < 0 or max(values) >= num_slots):
-                raise ArgumentError(
-                    f"layer group {g}: slot out of range [0, {num_slots}): {values[:8]}"
-                )
-            out[g] = t
-        return out
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
-def _slot_list(seq: object, g: int, hashes: Sequence[bytes]) -> tuple[torch.Tensor, list[int]]:
-    """``seq`` as a 1-D long tensor and a list, one slot per block, no slot shared."""
-    n = len(hashes)
-    if isinstance(seq, (str, bytes, bytearray)):
-        raise ArgumentError(f"layer group {g}: slots must be a sequence of ints, got {seq!r:.80}")
-    try:
-        given = torch.as_tensor(seq)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise ArgumentError(
-            f"layer group {g}: slots must be a sequence of ints, got {seq!r:.80}"
-        ) from None
-    if given.dim() != 1:
-        raise ArgumentError(
-            f"layer group {g}: slots must be one-dimensional, one per block, "
-            f"got shape {tuple(given.shape)}"
-        )
-    if given.numel() and (
-        given.is_floating_point() or given.is_complex() or given.dtype == torch.bool
-    ):
-        raise ArgumentError(f"layer group {g}: slots must be integers, got {given.dtype}")
-    t = given.to(torch.long).cpu()
-    if t.numel() != n:
-        raise ArgumentError(f"layer group {g}: {t.numel()} slots for {n} blocks")
-    values: list[int] = t.tolist()
-    if len(set(values)) < n:
-        owner: dict[int, bytes] = {}
-        for i, (slot, h) in enumerate(zip(values, hashes)):
-            if owner.setdefault(slot, h) != h:
-                raise ArgumentError(
-                    f"layer group {g}: slot {slot} is given for two different blocks "
-                    f"(block {values.index(slot)} and block {i}); each block needs its own slot"
-                )
-    return t, values
+def _kinds(pages: Sequence[_Page]) -> list[tuple[int, int]]:
+    """Runs of consecutive pages of one kind: ``(share index, count)``."""
+    runs: list[tuple[int, int]] = []
+    for page in pages:
+        if runs and runs[-1][0] == page.share:
+            runs[-1] = (page.share, runs[-1][1] + 1)
+        else:
+            runs.append((page.share, 1))
+    return runs
 
 
-#: Where each page kind starts in a load's staging: a multiple of every word width.
+def _first_missing(pages: Sequence[_Page], present: Sequence[bool]) -> dict[str, int]:
+    """For each missing key, the index of its first page: a key given twice is put once."""
+    first: dict[str, int] = {}
+    for i, (page, there) in enumerate(zip(pages, present)):
+        if not there:
+            first.setdefault(page.key, i)
+    return first
+
+
+#: Where each page kind starts in staging: a multiple of every word width.
 _STAGING_ALIGN = 64
-
-#: One lock per backend object that is not thread-safe, shared by every connector over it
-#: (a TP group in one process may share a backend); weak, so a closed backend goes.
-_BACKEND_LOCKS: weakref.WeakKeyDictionary[Backend, threading.Lock] = weakref.WeakKeyDictionary()
-_BACKEND_LOCKS_LOCK = threading.Lock()
-
-
-def _call_guard(backend: Backend) -> contextlib.AbstractContextManager[object]:
-    """What to hold around a call to ``backend``: nothing when it declares thread safety."""
-    if backend.capabilities.thread_safe:
-        return contextlib.nullcontext()
-    with _BACKEND_LOCKS_LOCK:
-        try:
-            return _BACKEND_LOCKS.setdefault(backend, threading.Lock())
-        except TypeError:  # not weak-referenceable (__slots__): a lock of its own
-            return threading.Lock()
-
-
-def _check_hashes(block_hashes: Sequence[bytes]) -> list[bytes]:
-    if isinstance(block_hashes, (str, bytes, bytearray)) or not isinstance(block_hashes, Iterable):
-        raise ArgumentError(
-            f"block_hashes must be a list of {DIGEST_SIZE}-byte digests (kvconn.block_hashes), "
-            f"got {block_hashes!r:.80}"
-        )
-    hashes = list(block_hashes)
-    for h in hashes:
-        if not isinstance(h, (bytes, bytearray)) or len(h) != DIGEST_SIZE:
-            raise ArgumentError(
-                f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r:.80}"
-            )
-    return [bytes(h) for h in hashes]
 
 
 def _aligned(offset: int) -> int:

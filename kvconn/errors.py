@@ -37,6 +37,11 @@ class ArgumentError(KvconnError, ValueError, TypeError):
     """
 
 
+class ConnectorClosed(KvconnError, RuntimeError):
+    """A call on a connector (or lookup, or transfer service) after ``close()``: a bug in
+    the caller's shutdown order, not a miss to be served around."""
+
+
 class InvalidKeyError(KvconnError, ValueError):
     """A store key is not acceptable to the backend contract (type, characters, length)."""
 

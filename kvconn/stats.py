@@ -37,6 +37,8 @@ class ConnectorStats:
         self.backend_errors = 0
         self.lookups = 0
         self.lookup_errors = 0
+        #: Asynchronous saves dropped because in-flight staging was at its ceiling.
+        self.staging_full = 0
 
     def add(self, event: str, plan: PagePlan, pages: int) -> None:
         if pages <= 0:
@@ -54,8 +56,9 @@ class ConnectorStats:
                 r.bytes += pages * nbytes
 
     def bump(self, counter: str) -> None:
-        """Add one to ``lookups``, ``lookup_errors`` or ``backend_errors``, thread-safely."""
-        assert counter in ("lookups", "lookup_errors", "backend_errors"), counter
+        """Add one to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
+        ``staging_full``), thread-safely."""
+        assert counter in ("lookups", "lookup_errors", "backend_errors", "staging_full"), counter
         with self._lock:
             setattr(self, counter, getattr(self, counter) + 1)
 
@@ -84,4 +87,5 @@ class ConnectorStats:
                 "backend_errors": self.backend_errors,
                 "lookups": self.lookups,
                 "lookup_errors": self.lookup_errors,
+                "staging_full": self.staging_full,
             }

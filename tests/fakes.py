@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from kvconn.backend import Backend, Capabilities
@@ -50,3 +51,38 @@ class DictBackend(Backend):
 
     def ops(self, op: str) -> int:
         return sum(1 for o, _ in self.calls if o == op)
+
+
+class GatedBackend(DictBackend):
+    """A dict store whose calls can be held at a gate: a stalled store, on demand.
+
+    ``hold(op)`` makes every later ``op`` call wait until ``release(op)``; ``entered``
+    counts calls that reached the gate, so a test can wait for a call to be in flight
+    instead of sleeping.
+    """
+
+    capabilities = Capabilities(delete=True, thread_safe=True)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Semaphore] = {}
+
+    def hold(self, op: str) -> None:
+        self._gates[op] = threading.Event()
+        self.entered[op] = threading.Semaphore(0)
+
+    def release(self, op: str) -> None:
+        gate = self._gates.pop(op, None)
+        if gate is not None:
+            gate.set()
+
+    def wait_entered(self, op: str, timeout: float = 10.0) -> bool:
+        return self.entered[op].acquire(timeout=timeout)
+
+    def _guard(self, op: str, n: int) -> None:
+        gate = self._gates.get(op)
+        if gate is not None:
+            self.entered[op].release()
+            gate.wait(30)
+        super()._guard(op, n)

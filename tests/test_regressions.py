@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kvconn.connector as connector_module
+import kvconn.calls as calls_module
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ArgumentError, BackendUnavailable, ConfigError, LayoutError
@@ -199,7 +199,7 @@ def test_a_backend_call_that_fails_after_a_timeout_longer_than_the_retry_interva
     waits on the dead server again.
     """
     clock = SimpleNamespace(t=1000.0)
-    monkeypatch.setattr(connector_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
+    monkeypatch.setattr(calls_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
 
     class TimingOut(DictBackend):
         def _exists(self, keys):  # type: ignore[no-untyped-def]

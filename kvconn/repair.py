@@ -1,0 +1,116 @@
+"""Verifying loaded pages, and deleting stored pages that cannot be loaded.
+
+A load reads every page of a chunk at once; this module decides, per page, whether its
+bytes may reach a slot (arrived whole, checksum verified) and repairs the store for the
+pages that may not: a page that failed its checksum, or that is stored but cannot be
+read (a value of the wrong size), is deleted so the next lookup misses it and the next
+save rewrites it. A put never overwrites, so without the delete a bad page would fail
+every load until the store evicted it.
+
+Torch-free: it works on byte views of staging memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from kvconn.calls import BackendCalls, Unavailable
+from kvconn.plan import PagePlan, RankShare
+
+log = logging.getLogger("kvconn")
+
+
+class PageRepair:
+    """Checks pages that arrived and repairs the store for those that cannot be used."""
+
+    def __init__(self, calls: BackendCalls) -> None:
+        self.calls = calls
+        self._lock = threading.Lock()
+        self._reported = False
+
+    def usable(
+        self,
+        shares: Sequence[RankShare],
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        arrived: Sequence[bool],
+        n: int,
+    ) -> list[bool]:
+        """Per page of a get (``n`` per page kind, kinds in ``shares`` order), whether it
+        arrived whole and verified.
+
+        Every page that arrived is verified, also after the first failure: a bad page
+        found now is repaired now, before the save that follows the engine's recompute
+        would skip it as already stored.
+        """
+        usable = list(arrived)
+        damaged: dict[str, PagePlan] = {}
+        unread: dict[str, PagePlan] = {}
+        for s, share in enumerate(shares):
+            here = range(s * n, (s + 1) * n)
+            got = [i for i in here if arrived[i]]
+            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+            for i, verified in zip(got, checks):
+                if not verified:
+                    usable[i] = False
+                    damaged[keys[i]] = share.plan
+            unread.update((keys[i], share.plan) for i in here if not arrived[i])
+        if damaged or unread:
+            self.repair(damaged, unread)
+        return usable
+
+    def repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
+        """Delete stored pages that cannot be loaded, so the next save rewrites them.
+
+        ``damaged`` pages arrived with a wrong checksum. ``unread`` ones did not arrive:
+        those still stored are unreadable (a value of the wrong size), the others were
+        evicted since the lookup, which is no fault of theirs. A backend error while
+        asking or deleting is a backend error (counted, backed off), never corruption.
+        Without ``Capabilities.delete`` the pages are counted and logged, and fail until
+        the store drops them: a put never overwrites.
+        """
+        calls = self.calls
+        if unread:
+            asked = list(unread)
+            try:
+                stored = calls.exists(asked)
+            except Unavailable:
+                stored = [False] * len(asked)
+            damaged.update((k, unread[k]) for k, there in zip(asked, stored) if there)
+        if not damaged:
+            return
+        for plan, count in Counter(damaged.values()).items():
+            calls.stats.add("corrupt", plan, count)
+        keys = list(damaged)
+        backend = calls.backend
+        can_delete = backend.capabilities.delete
+        self._report(keys, can_delete)
+        if not can_delete:
+            return
+        try:
+            deleted = calls.call("delete", lambda: backend.delete(calls.vetted(keys)))
+        except Unavailable:
+            return
+        for plan, count in Counter(damaged[k] for k, gone in zip(keys, deleted) if gone).items():
+            calls.stats.add("repaired", plan, count)
+
+    def _report(self, keys: Sequence[str], can_delete: bool) -> None:
+        """A warning the first time, then debug: the ``corrupt`` counter keeps the count."""
+        with self._lock:
+            first, self._reported = not self._reported, True
+        what = (
+            "deleting them so the next save rewrites them"
+            if can_delete
+            else f"the {self.calls.backend.name!r} backend cannot delete, so they fail until "
+            "the store drops them"
+        )
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "kvconn: %d stored page(s) failed their checksum or could not be read (first: %s); %s",
+            len(keys),
+            keys[0],
+            what,
+        )

@@ -1,0 +1,175 @@
+"""The public key and hit planner, torch-free lookups, and lookups within a deadline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvconn.config import ConnectorConfig
+from kvconn.hashing import block_hashes
+from kvconn.keys import parse_key
+from kvconn.lookup import DeadlineLookup, Lookup, PageKeys
+from kvconn.tools.models import QWEN3_235B_PRESET, minimax_m3
+from tests.fakes import GatedBackend
+from tests.helpers import tp_group
+
+N = 4
+HASHES = block_hashes(list(range(32 * N)), 32)
+SLOTS = [3, 1, 4, 0]
+CONFIG = ConnectorConfig(model="test-model", backend="dict", retry_interval_s=0)
+
+
+@pytest.mark.parametrize(
+    "layout", [minimax_m3(tp_size=8), QWEN3_235B_PRESET.layout(8, 2, 16)], ids=["minimax", "qwen3"]
+)
+def test_a_lookup_checks_every_key_any_rank_loads_and_nothing_else(layout):
+    keys = PageKeys(CONFIG, layout)
+    for h in HASHES:
+        every_rank = {k for rank in range(layout.tp_size) for k in keys.rank_keys(rank, h)}
+        assert set(keys.block_keys(h)) == every_rank
+        assert len(keys.block_keys(h)) == len(every_rank)  # no key twice
+
+
+def test_the_planner_names_the_keys_the_ranks_store():
+    layout = minimax_m3(tp_size=8)
+    store = GatedBackend()
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    keys = PageKeys(CONFIG, layout)
+    stored = {k for k in store.data if parse_key(k) is not None}
+    assert stored == {k for h in HASHES for k in keys.block_keys(h)}
+    assert keys.lookup_keys(HASHES) == [keys.block_keys(h) for h in HASHES]
+
+
+def test_a_scheduler_lookup_answers_from_a_real_store_without_importing_torch(tmp_path):
+    """The scheduler side of an engine never imports torch nor allocates staging."""
+    layout = minimax_m3(tp_size=2)
+    config = {"model": "m", "backend": "lmdb", "options": {"path": str(tmp_path / "s")}}
+    import torch
+
+    from kvconn.connector import Connector
+    from tests.helpers import fill_pool
+
+    for rank in range(2):
+        pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
+        fill_pool(layout, rank, pools)
+        with Connector(config, layout, rank=rank, pools=pools) as conn:
+            conn.save(HASHES[:3], SLOTS[:3])
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from kvconn.layout import KvLayout
+        from kvconn.lookup import Lookup
+        layout = KvLayout.from_dict(json.loads(sys.argv[1]))
+        hashes = [bytes.fromhex(h) for h in json.loads(sys.argv[2])]
+        with Lookup({config!r}, layout) as lookup:
+            hit = lookup.lookup(hashes)
+        print(json.dumps([hit.blocks, hit.tokens, "torch" in sys.modules]))
+        """
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            json.dumps(layout.to_dict()),
+            json.dumps([h.hex() for h in HASHES]),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == [3, 96, False]
+
+
+def test_a_deadline_lookup_answers_at_once_when_the_store_is_quick():
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=5.0, timeout_s=10.0)
+    try:
+        answer = asker.ask("r1", HASHES)
+        assert answer is not None and answer.blocks == N
+    finally:
+        asker.close()
+
+
+def test_a_stalled_store_gets_ask_again_later_then_a_miss_never_a_waiting_scheduler():
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=0.005, timeout_s=0.2)
+    store.hold("exists")
+    try:
+        slowest = 0.0
+        answers = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            answer = asker.ask("r1", HASHES)
+            slowest = max(slowest, time.monotonic() - start)
+            answers.append(answer)
+            if answer is not None:
+                break
+            time.sleep(0.01)
+        assert answers[0] is None  # ask again later
+        assert answers[-1] is not None and answers[-1].blocks == 0
+        assert not answers[-1].available
+        assert slowest < 0.1  # each ask waited about wait_s, not for the store
+        assert asker.timed_out == 1
+    finally:
+        store.release("exists")
+        asker.close()
+
+
+def test_a_stalled_store_does_not_queue_lookups_without_bound():
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=60.0, max_pending=3)
+    store.hold("exists")
+    try:
+        assert [asker.ask(i, HASHES) for i in range(3)] == [None] * 3
+        fourth = asker.ask(3, HASHES)
+        assert fourth is not None and fourth.blocks == 0 and not fourth.available
+    finally:
+        store.release("exists")
+        asker.close()
+
+
+def test_an_answer_that_arrives_late_is_returned_when_asked_again():
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    group = tp_group(layout, store)
+    for conn in group:
+        conn.save(HASHES, SLOTS)
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=60.0)
+    store.hold("exists")
+    try:
+        assert asker.ask("r1", HASHES) is None
+        assert store.wait_entered("exists")
+        store.release("exists")
+        deadline = time.monotonic() + 5
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            answer = asker.ask("r1", HASHES)
+        assert answer is not None and answer.blocks == N
+    finally:
+        asker.close()
+
+
+def test_a_lookup_on_a_closed_lookup_is_an_error():
+    from kvconn.errors import ConnectorClosed
+
+    lookup = Lookup(CONFIG, minimax_m3(tp_size=2), backend=GatedBackend())
+    lookup.close()
+    with pytest.raises(ConnectorClosed):
+        lookup.lookup(HASHES)

@@ -1,0 +1,370 @@
+"""The asynchronous transfer service's rules, over in-memory stores (core logic only).
+
+The same service runs on real backends in tests/test_transfer_backends.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvconn.backend import Capabilities
+from kvconn.errors import ArgumentError, BackendUnavailable, ConnectorClosed
+from kvconn.hashing import block_hashes
+from kvconn.integrity import PageChecksum
+from kvconn.keys import parse_manifest_key
+from kvconn.results import LoadResult, Outcome, SaveResult
+from kvconn.tools.models import minimax_m3
+from kvconn.transfer import SaveRequest, Transfer, TransferService
+from tests.fakes import DictBackend, GatedBackend
+from tests.helpers import slot_bytes, tp_group
+
+N = 6
+HASHES = block_hashes(list(range(32 * N)), 32)
+OTHER = block_hashes(list(range(1000, 1000 + 32 * N)), 32)
+SLOTS = [5, 1, 9, 3, 7, 11]
+TRAILER = PageChecksum().size
+
+
+def pages(store):
+    return {k: v for k, v in store.data.items() if parse_manifest_key(k) is None}
+
+
+def finished_within(service, count, timeout=10.0):
+    """Poll ``finished()`` as an engine does each step, until ``count`` transfers end."""
+    out: list[Transfer] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        out.extend(service.finished())
+        time.sleep(0.002)
+    return out
+
+
+@pytest.fixture
+def services():
+    made: list[TransferService] = []
+    yield made
+    for s in made:
+        s.close(timeout_s=2)
+
+
+def service_for(conn, services, **kw):
+    s = TransferService(conn, **kw)
+    services.append(s)
+    return s
+
+
+def test_an_async_save_stores_exactly_what_a_synchronous_save_stores(services):
+    layout = minimax_m3(tp_size=2)
+    sync_store, async_store = DictBackend(), GatedBackend()
+    for a, b in zip(tp_group(layout, sync_store), tp_group(layout, async_store)):
+        a.save(HASHES, SLOTS)
+        transfer = service_for(b, services).save(HASHES, SLOTS, tag="r1")
+        assert transfer.wait(10)
+        assert isinstance(transfer.result, SaveResult) and transfer.result.ok
+    assert async_store.data == sync_store.data
+
+
+def test_every_block_of_a_save_reports_written_or_skipped():
+    store = GatedBackend()
+    (conn,) = tp_group(minimax_m3(tp_size=1), store)
+    service = TransferService(conn)
+    try:
+        first = service.save(HASHES[:3], SLOTS[:3])
+        assert first.wait(10)
+        assert first.outcomes == (Outcome.WRITTEN,) * 3
+        again = service.save(HASHES, SLOTS)
+        assert again.wait(10)
+        assert again.outcomes == (Outcome.SKIPPED,) * 3 + (Outcome.WRITTEN,) * 3
+        assert finished_within(service, 2) == [first, again]
+    finally:
+        service.close()
+
+
+def test_a_steps_saves_reach_the_store_as_one_exists_and_one_put(services):
+    store = GatedBackend()
+    (conn,) = tp_group(minimax_m3(tp_size=1), store)
+    service = service_for(conn, services)
+    store.calls.clear()
+    requests = [
+        SaveRequest(HASHES[i : i + 2], SLOTS[i : i + 2], tag=f"req{i}") for i in range(0, N, 2)
+    ]
+    transfers = service.save_many(requests)
+    assert all(t.wait(10) for t in transfers)
+    page_calls = [c for c in store.calls if c[1] != len(conn.keys.manifests)]
+    assert page_calls == [("exists", N * 2), ("put", N * 2)]  # K/V shard + replicated page
+    assert [t.tag for t in transfers] == ["req0", "req2", "req4"]
+
+
+def test_a_block_reused_right_after_its_save_was_handed_over_stores_its_old_bytes(services):
+    """The engine may free or reuse a block as soon as the save is submitted: its pages
+    were captured into staging, so the store never sees the next request's bytes."""
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    reference_store = DictBackend()
+    (reference,) = tp_group(layout, reference_store)
+    reference.save(HASHES, SLOTS)
+    service = service_for(conn, services)
+    store.hold("exists")  # the store has not even been asked yet
+    transfer = service.save(HASHES, SLOTS)
+    assert store.wait_entered("exists")
+    for pool in conn.pools:
+        pool.fill_(0xAB)  # every block reused by another request and overwritten
+    store.release("exists")
+    assert transfer.wait(10) and transfer.result.ok
+    assert pages(store) == pages(reference_store)
+
+
+def test_at_the_staging_ceiling_new_saves_are_dropped_and_counted(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    one_save = conn.capture_bytes(conn.owned_pages(HASHES[:2]))
+    service = service_for(conn, services, inflight_bytes=one_save)
+    store.hold("exists")
+    first = service.save(HASHES[:2], SLOTS[:2], tag="fits")
+    assert store.wait_entered("exists")
+    second = service.save(HASHES[2:4], SLOTS[2:4], tag="no room")
+    assert second.done()  # decided at once: the engine is never made to wait
+    assert second.outcomes == (Outcome.DROPPED,) * 2
+    assert conn.stats.staging_full == 1
+    assert conn.stats.pages("dropped") == 4
+    store.release("exists")
+    assert first.wait(10) and first.result.ok
+    third = service.save(HASHES[2:4], SLOTS[2:4])  # room again once the first is stored
+    assert third.wait(10) and third.outcomes == (Outcome.WRITTEN,) * 2
+
+
+def test_a_save_larger_than_staging_is_stored_in_parts_with_one_outcome_per_block(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    per_page = max(p.value_size for p in conn.plans)
+    conn.config = conn.config.__class__(  # staging fits about one page
+        **{**conn.config.__dict__, "staging_bytes": per_page + 64}
+    )
+    service = service_for(conn, services)
+    transfer = service.save(HASHES, SLOTS)
+    assert transfer.wait(10)
+    assert transfer.outcomes == (Outcome.WRITTEN,) * N
+    assert transfer.result.written == 2 * N
+    assert conn.lookup(HASHES).blocks == N
+
+
+def test_an_async_load_fills_the_slots_and_reports_every_block_loaded(services):
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    writers = tp_group(layout, store)
+    for w in writers:
+        w.save(HASHES, SLOTS)
+    readers = tp_group(layout, store, fill=False)
+    target = [20, 21, 22, 40, 41, 63]
+    for w, r in zip(writers, readers):
+        service = service_for(r, services)
+        transfer = service.load(HASHES, target, tag="hit")
+        assert finished_within(service, 1) == [transfer]
+        assert transfer.result == LoadResult(N)
+        assert transfer.outcomes == (Outcome.LOADED,) * N
+        for src, dst in zip(SLOTS, target):
+            assert slot_bytes(layout, r.pools, dst) == slot_bytes(layout, w.pools, src)
+
+
+def test_an_async_load_of_evicted_pages_fails_those_blocks_and_leaves_their_slots(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (writer,) = tp_group(layout, store)
+    writer.save(HASHES, SLOTS)
+    for key in [k for k in store.data if k.endswith(HASHES[3].hex())]:
+        del store.data[key]
+    (reader,) = tp_group(layout, store, fill=False)
+    transfer = service_for(reader, services).load(HASHES, SLOTS)
+    assert transfer.wait(10)
+    assert transfer.result == LoadResult(3, (3, 4, 5))
+    assert all(
+        slot_bytes(layout, reader.pools, s) == bytes(len(slot_bytes(layout, reader.pools, s)))
+        for s in SLOTS[3:]
+    )
+
+
+def test_a_load_stalled_past_its_timeout_fails_and_its_late_bytes_never_reach_the_slots(
+    services,
+):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (writer,) = tp_group(layout, store)
+    writer.save(HASHES, SLOTS)
+    (reader,) = tp_group(layout, store, fill=False)
+    service = service_for(reader, services)
+    service.load_timeout_s = 0.05
+    store.hold("get")
+    transfer = service.load(HASHES, SLOTS)
+    assert store.wait_entered("get")
+    assert finished_within(service, 1, timeout=5) == [transfer]
+    assert transfer.result == LoadResult(0, tuple(range(N)))
+    before = [t.clone() for t in reader.pools]
+    store.release("get")  # the store answers after all
+    time.sleep(0.2)
+    assert all(torch.equal(a, b) for a, b in zip(before, reader.pools))
+
+
+def test_a_backend_that_fails_mid_flight_gives_failed_and_dropped_blocks_not_exceptions(
+    services,
+):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    conn.save(HASHES[:3], SLOTS[:3])
+    service = service_for(conn, services)
+    store.down = True
+    save = service.save(HASHES[3:], SLOTS[3:])
+    load = service.load(HASHES[:3], [30, 31, 32])
+    assert save.wait(10) and load.wait(10)
+    assert save.outcomes == (Outcome.DROPPED,) * 3
+    assert load.outcomes == (Outcome.FAILED,) * 3
+    assert conn.stats.backend_errors >= 1
+
+
+def test_loads_wait_for_staging_room_instead_of_failing(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    conn.save(HASHES[:2], SLOTS[:2])
+    room = max(conn.load_bytes(2), conn.capture_bytes(conn.owned_pages(OTHER[:2])))
+    service = service_for(conn, services, inflight_bytes=room)
+    store.hold("exists")
+    save = service.save(OTHER[:2], [40, 41])  # holds all the room while the store stalls
+    assert store.wait_entered("exists")
+    load = service.load(HASHES[:2], [50, 51])
+    time.sleep(0.1)
+    assert not load.done()  # waiting for room, not failed
+    store.release("exists")
+    assert save.wait(10) and load.wait(10)
+    assert load.result == LoadResult(2)
+
+
+def test_a_load_is_not_held_behind_a_stalled_put_on_a_thread_safe_backend(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()  # declares thread_safe
+    (conn,) = tp_group(layout, store)
+    conn.save(HASHES[:2], SLOTS[:2])
+    service = service_for(conn, services)
+    store.hold("put")
+    save = service.save(OTHER, SLOTS)
+    assert store.wait_entered("put")
+    load = service.load(HASHES[:2], [50, 51])
+    assert load.wait(10) and load.result.ok  # while the put is still stalled
+    assert not save.done()
+    store.release("put")
+    assert save.wait(10)
+
+
+def test_close_ends_in_flight_work_within_its_deadline_on_a_stalled_store():
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    conn.save(HASHES[:2], SLOTS[:2])
+    service = TransferService(conn)
+    store.hold("get")
+    store.hold("put")
+    save = service.save(OTHER, SLOTS)
+    load = service.load(HASHES[:2], [50, 51])
+    assert store.wait_entered("get") and store.wait_entered("put")
+    start = time.monotonic()
+    clean = service.close(timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+    assert not clean  # threads are still inside the stalled calls
+    assert load.done() and load.outcomes == (Outcome.FAILED,) * 2
+    assert save.done() and all(o is Outcome.DROPPED for o in save.outcomes)
+    store.release("get")
+    store.release("put")
+
+
+def test_transfers_after_close_are_errors_not_silent_misses():
+    (conn,) = tp_group(minimax_m3(tp_size=1), DictBackend())
+    service = TransferService(conn)
+    service.close()
+    with pytest.raises(ConnectorClosed):
+        service.save(HASHES, SLOTS)
+    with pytest.raises(ConnectorClosed):
+        service.load(HASHES, SLOTS)
+    conn.close()
+    with pytest.raises(ConnectorClosed):
+        conn.lookup(HASHES)
+    with pytest.raises(ConnectorClosed):
+        conn.save(HASHES, SLOTS)
+
+
+def test_bad_arguments_are_refused_on_the_submitting_thread_before_anything_is_captured(
+    services,
+):
+    store = GatedBackend()
+    (conn,) = tp_group(minimax_m3(tp_size=1), store)
+    service = service_for(conn, services)
+    with pytest.raises(ArgumentError):
+        service.save_many([SaveRequest(HASHES, SLOTS), SaveRequest(HASHES, SLOTS[:2])])
+    with pytest.raises(ArgumentError):
+        service.load(HASHES, [1, 1, 2, 3, 4, 5])
+    assert service.in_flight == 0 and not pages(store)
+
+
+def test_a_serialized_backend_still_works_from_the_service_threads(services):
+    class Serial(DictBackend):
+        capabilities = Capabilities(delete=True)  # not thread-safe: calls are serialized
+
+    layout = minimax_m3(tp_size=2)
+    store = Serial()
+    group = tp_group(layout, store)
+    svcs = [service_for(c, services) for c in group]
+    saves = [s.save(HASHES, SLOTS) for s in svcs]
+    assert all(t.wait(10) and t.result.ok for t in saves)
+    readers = tp_group(layout, store, fill=False)
+    loads = [service_for(r, services).load(HASHES, SLOTS) for r in readers]
+    assert all(t.wait(10) and t.result == LoadResult(N) for t in loads)
+
+
+def test_many_concurrent_requests_each_get_their_own_outcomes(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (conn,) = tp_group(layout, store)
+    service = service_for(conn, services)
+    prompts = [block_hashes(list(range(r * 10_000, r * 10_000 + 64)), 32) for r in range(8)]
+    saves = [service.save(h, [2 * r, 2 * r + 1], tag=r) for r, h in enumerate(prompts)]
+    assert all(t.wait(10) and t.outcomes == (Outcome.WRITTEN,) * 2 for t in saves)
+    (reader,) = tp_group(layout, store, fill=False)
+    rservice = service_for(reader, services)
+    loads = [rservice.load(h, [20 + 2 * r, 21 + 2 * r], tag=r) for r, h in enumerate(prompts)]
+    done = finished_within(rservice, 8)
+    assert sorted(t.tag for t in done) == list(range(8))
+    for r in range(8):
+        for src, dst in ((2 * r, 20 + 2 * r), (2 * r + 1, 21 + 2 * r)):
+            assert slot_bytes(layout, reader.pools, dst) == slot_bytes(layout, conn.pools, src)
+    assert all(t.result.ok for t in loads)
+
+
+def test_a_backend_that_raises_while_the_service_stores_does_not_kill_its_thread(services):
+    class Flaky(GatedBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fail_next = threading.Event()
+
+        def _exists(self, keys):
+            if self.fail_next.is_set():
+                self.fail_next.clear()
+                raise BackendUnavailable("one bad answer")
+            return super()._exists(keys)
+
+    layout = minimax_m3(tp_size=1)
+    store = Flaky()
+    (conn,) = tp_group(layout, store)
+    conn.config = conn.config.__class__(**{**conn.config.__dict__, "retry_interval_s": 0})
+    conn.calls.retry_interval_s = 0
+    service = service_for(conn, services)
+    store.fail_next.set()
+    first = service.save(HASHES[:2], SLOTS[:2])
+    assert first.wait(10) and first.outcomes == (Outcome.DROPPED,) * 2
+    second = service.save(HASHES[2:4], SLOTS[2:4])
+    assert second.wait(10) and second.outcomes == (Outcome.WRITTEN,) * 2
