@@ -23,6 +23,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import Any, ClassVar
 
@@ -30,6 +31,16 @@ from kvconn.errors import InvalidKeyError
 
 # Buffers accepted as values: anything exporting the buffer protocol.
 Buffer = Any
+
+
+class ReadStatus(str, Enum):
+    """Why a key of a read did or did not load (:meth:`Backend.read`)."""
+
+    LOADED = "loaded"
+    MISSING = "missing"  # not stored: evicted or never written
+    WRONG_SIZE = "wrong_size"  # stored, but not a value of the buffer's size: unreadable
+    UNREACHABLE = "unreachable"  # stored, but its bytes could not be fetched right now
+    FAILED = "failed"  # did not load; the backend cannot tell why
 
 
 @dataclass(frozen=True)
@@ -136,16 +147,43 @@ class Backend(ABC):
         reports a value's length only after copying it can then skip a size query (a
         round trip per batch: as costly as the transfer for small values).
         """
-        keys = self._check_keys(keys)
-        if len(buffers) != len(keys):
-            raise ValueError(f"get: {len(keys)} keys but {len(buffers)} buffers")
-        views = _views(keys, buffers, "buffer")
-        if any(view.readonly for view in views):
-            key = next(k for k, view in zip(keys, views) if view.readonly)
-            raise ValueError(f"get: the buffer for {key!r} is read-only")
+        keys, views = self._get_args(keys, buffers, "get")
         if not keys:
             return []
         return self._checked_result(self._get(keys, views, scratch=scratch), len(keys), "get")
+
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[Buffer], *, scratch: bool = False
+    ) -> list[ReadStatus]:
+        """:meth:`get`, telling per key *why* a value did not load, where the store can.
+
+        The connector repairs a page only when it is stored but unreadable
+        (``WRONG_SIZE``): a page that is only ``UNREACHABLE`` right now (its holder's
+        process died; another replica or a restarted segment may serve it) is a miss
+        and is kept. Backends that cannot tell answer ``FAILED`` and the connector asks
+        ``exists`` to tell a missing page from an unreadable one.
+        """
+        keys, views = self._get_args(keys, buffers, "get")
+        if not keys:
+            return []
+        statuses = list(self._read_status(keys, views, scratch=scratch))
+        if len(statuses) != len(keys):
+            raise AssertionError(
+                f"{self.name} backend read answered {len(statuses)} of {len(keys)} keys"
+            )
+        return [ReadStatus(s) for s in statuses]
+
+    def _get_args(
+        self, keys: Sequence[str], buffers: Sequence[Buffer], op: str
+    ) -> tuple[list[str], list[memoryview]]:
+        keys = self._check_keys(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"{op}: {len(keys)} keys but {len(buffers)} buffers")
+        views = _views(keys, buffers, "buffer")
+        if any(view.readonly for view in views):
+            key = next(k for k, view in zip(keys, views) if view.readonly)
+            raise ValueError(f"{op}: the buffer for {key!r} is read-only")
+        return keys, views
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove keys; per key, whether it was present. Only with ``capabilities.delete``."""
@@ -208,6 +246,21 @@ class Backend(ABC):
         before copying). With ``scratch`` it may hold anything; use that only where it
         saves work (a size query per batch), else ignore the flag.
         """
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """Note for implementers: override to tell the connector why a key failed.
+
+        ``MISSING``: not stored. ``WRONG_SIZE``: stored, but its value is not of the
+        buffer's size (the connector deletes it). ``UNREACHABLE``: stored, but its bytes
+        could not be fetched now (a dead holder): a miss, and the page is kept. The
+        default cannot tell and answers ``FAILED`` for every key that did not load.
+        """
+        return [
+            ReadStatus.LOADED if ok else ReadStatus.FAILED
+            for ok in self._get(keys, buffers, scratch=scratch)
+        ]
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         raise NotImplementedError

@@ -534,12 +534,12 @@ class Connector:
                 buffers.append(view[offset + i * row : offset + (i + 1) * row])
         # Scratch: staging pages of keys that fail are never scattered (below).
         try:
-            arrived = self.calls.call(
-                "get", lambda: self.backend.get(self.calls.vetted(keys), buffers, scratch=True)
+            statuses = self.calls.call(
+                "get", lambda: self.backend.read(self.calls.vetted(keys), buffers, scratch=True)
             )
         except Unavailable:
             return 0
-        ok = self._repair.usable(self.shares, keys, buffers, arrived, n)
+        ok = self._repair.usable(self.shares, keys, buffers, statuses, n)
         good = n
         for s in range(len(self.shares)):
             flags = ok[s * n : (s + 1) * n]

@@ -17,6 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from kvconn.backend import ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.plan import PagePlan, RankShare
 
@@ -36,28 +37,39 @@ class PageRepair:
         shares: Sequence[RankShare],
         keys: Sequence[str],
         buffers: Sequence[memoryview],
-        arrived: Sequence[bool],
+        statuses: Sequence[ReadStatus],
         n: int,
     ) -> list[bool]:
-        """Per page of a get (``n`` per page kind, kinds in ``shares`` order), whether it
+        """Per page of a read (``n`` per page kind, kinds in ``shares`` order), whether it
         arrived whole and verified.
 
         Every page that arrived is verified, also after the first failure: a bad page
         found now is repaired now, before the save that follows the engine's recompute
-        would skip it as already stored.
+        would skip it as already stored. A page the backend could not reach is a miss
+        and stays stored: it is not the page's fault.
         """
-        usable = list(arrived)
+        usable = [s is ReadStatus.LOADED for s in statuses]
         damaged: dict[str, PagePlan] = {}
         unread: dict[str, PagePlan] = {}
+        unreachable: dict[PagePlan, int] = {}
         for s, share in enumerate(shares):
             here = range(s * n, (s + 1) * n)
-            got = [i for i in here if arrived[i]]
+            got = [i for i in here if usable[i]]
             checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
             for i, verified in zip(got, checks):
                 if not verified:
                     usable[i] = False
                     damaged[keys[i]] = share.plan
-            unread.update((keys[i], share.plan) for i in here if not arrived[i])
+            for i in here:
+                status = statuses[i]
+                if status is ReadStatus.WRONG_SIZE:
+                    damaged[keys[i]] = share.plan
+                elif status is ReadStatus.FAILED:
+                    unread[keys[i]] = share.plan
+                elif status is ReadStatus.UNREACHABLE:
+                    unreachable[share.plan] = unreachable.get(share.plan, 0) + 1
+        for plan, count in unreachable.items():
+            self.calls.stats.add("unreachable", plan, count)
         if damaged or unread:
             self.repair(damaged, unread)
         return usable
@@ -65,9 +77,10 @@ class PageRepair:
     def repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
         """Delete stored pages that cannot be loaded, so the next save rewrites them.
 
-        ``damaged`` pages arrived with a wrong checksum. ``unread`` ones did not arrive:
-        those still stored are unreadable (a value of the wrong size), the others were
-        evicted since the lookup, which is no fault of theirs. A backend error while
+        ``damaged`` pages arrived with a wrong checksum or are stored with the wrong size.
+        ``unread`` ones did not arrive and the backend could not say why: those still
+        stored are taken as unreadable, the others were evicted since the lookup, which
+        is no fault of theirs. A backend error while
         asking or deleting is a backend error (counted, backed off), never corruption.
         Without ``Capabilities.delete`` the pages are counted and logged, and fail until
         the store drops them: a put never overwrites.

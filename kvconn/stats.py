@@ -17,9 +17,20 @@ from kvconn.plan import PagePlan
 #: load that did not complete; dropped: a save given up (backend down or put refused);
 #: corrupt: a stored page found bad on load (its checksum failed, or it is stored but
 #: could not be read: a value of the wrong size); repaired: a corrupt page this rank
-#: deleted, so that the next lookup misses it and the next save rewrites it. Bytes are
+#: deleted, so that the next lookup misses it and the next save rewrites it;
+#: unreachable: a stored page whose bytes the backend could not fetch right now (its
+#: holder died), a miss that is kept, not repaired. Bytes are
 #: payload bytes (``page_size``); checksum trailers are not counted.
-EVENTS = ("written", "skipped", "loaded", "failed", "dropped", "corrupt", "repaired")
+EVENTS = (
+    "written",
+    "skipped",
+    "loaded",
+    "failed",
+    "dropped",
+    "corrupt",
+    "repaired",
+    "unreachable",
+)
 
 
 @dataclass

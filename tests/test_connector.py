@@ -637,3 +637,59 @@ def test_whatever_a_backend_answers_per_key_reaches_the_caller_as_bools(answers)
     got = Answering().exists([f"k/{i}" for i in range(len(answers))])
     assert got == [bool(a) for a in answers]
     assert all(type(flag) is bool for flag in got)
+
+
+class HolderDied(DictBackend):
+    """Reports pages under ``lost`` as stored but unreachable, as Mooncake does for a
+    value whose storage process died (``-800``), and others by their real state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: set[str] = set()
+
+    def _read_status(self, keys, buffers, *, scratch):
+        from kvconn.backend import ReadStatus
+
+        out = []
+        for key, ok in zip(keys, self._get(keys, buffers, scratch=scratch)):
+            if key in self.lost:
+                out.append(ReadStatus.UNREACHABLE)
+            elif ok:
+                out.append(ReadStatus.LOADED)
+            elif key not in self.data:
+                out.append(ReadStatus.MISSING)
+            else:
+                out.append(ReadStatus.WRONG_SIZE)
+        return out
+
+
+def test_a_page_that_is_only_unreachable_is_a_miss_and_is_kept_for_a_later_load():
+    store = HolderDied()
+    layout = minimax_m3(tp_size=2)
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    (reader, _) = tp_group(layout, store, fill=False)
+    lost = next(k for k in store.data if "/w2r0/" in k and k.endswith(HASHES[2].hex()))
+    store.lost.add(lost)
+    result = reader.load(HASHES, SLOTS)
+    assert result.loaded == 2
+    assert lost in store.data  # not deleted: its holder may come back
+    assert reader.stats.pages("unreachable") == 1
+    assert reader.stats.pages("corrupt") == 0 and reader.stats.pages("repaired") == 0
+    store.lost.clear()  # the segment is served again
+    assert reader.load(HASHES, SLOTS).loaded == N
+
+
+def test_a_page_the_backend_reports_of_the_wrong_size_is_repaired_without_asking_exists():
+    store = HolderDied()
+    layout = minimax_m3(tp_size=1)
+    (writer,) = tp_group(layout, store)
+    writer.save(HASHES, SLOTS)
+    bad = next(k for k in store.data if "/replicated/" in k and k.endswith(HASHES[1].hex()))
+    store.data[bad] = store.data[bad][:-1]
+    (reader,) = tp_group(layout, store, fill=False)
+    store.calls.clear()
+    assert reader.load(HASHES, SLOTS).loaded == 1
+    assert bad not in store.data
+    assert [op for op, _ in store.calls] == ["get"]  # the status said why: no exists
+    assert reader.stats.pages("repaired") == 1

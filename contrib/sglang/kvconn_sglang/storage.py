@@ -17,7 +17,12 @@ What kvconn changes compared with SGLang's own backends:
   controller skips every other rank's backups), that rank writes every page it holds.
 
 SGLang calls ``batch_exists``, ``batch_get_v1`` and ``batch_set_v1`` from three threads
-(prefetch, prefetch I/O, backup); the connector is thread-safe, so they share one.
+(prefetch, prefetch I/O, backup). Loads and saves go through kvconn's transfer service
+(:mod:`kvconn.transfer`), the one every engine adapter uses: a save is captured out of
+the host pool on SGLang's backup thread and stored by the service's store thread, a load
+runs on a load thread; each SGLang thread waits only for its own transfer. Over a
+backend that declares itself thread-safe (LMDB, Redis, Mooncake) nothing serializes the
+three: a large ``batch_set_v1`` does not delay a ``batch_exists``.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+from kvconn.backend import Backend
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.plan import WriterPolicy
+from kvconn.results import Outcome
+from kvconn.transfer import TransferService
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
 from kvconn_sglang.settings import AdapterSettings
 
@@ -61,22 +69,30 @@ class KvconnHiCacheStorage(HiCacheStorage):
         #: each of them must write every page it holds).
         self.every_rank_saves = _every_rank_saves(storage_config)
         self.connector: Connector | None = None
+        self.transfers: TransferService | None = None
         self.page_size = 0
 
     # ------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        shape = _shape_of(mem_pool_host)
+        self.attach(_shape_of(mem_pool_host))
+
+    def attach(self, shape: HostPoolShape, *, backend: Backend | None = None) -> None:
+        """Describe the host pool to kvconn and start this rank's connector and service.
+
+        ``backend`` replaces the configured one (tests; a backend object shared in-process).
+        """
         units = self._kv_units(shape)
         layout = describe_host_pool(shape, self.storage_config.tp_size, units)
-        if self.connector is not None:
-            self.connector.close()
+        self.close()
         self.connector = Connector(
             self.settings.connector,
             layout,
             rank=self.storage_config.tp_rank,
             pools=[shape.kv_buffer],
+            backend=backend,
         )
+        self.transfers = TransferService(self.connector)
         self.page_size = shape.page_size
         log.info(
             "kvconn HiCache storage: rank %d/%d, %s %s pages of %d tokens, backend %r, "
@@ -123,6 +139,11 @@ class KvconnHiCacheStorage(HiCacheStorage):
             raise ConfigError("the kvconn HiCache storage has no host pool registered yet")
         return self.connector
 
+    def _service(self) -> TransferService:
+        self._require()
+        assert self.transfers is not None
+        return self.transfers
+
     # ------------------------------------------------------------ v1 zero-copy
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
@@ -141,10 +162,13 @@ class KvconnHiCacheStorage(HiCacheStorage):
         """Load pages into their host slots; the first failure and all after it are False."""
         if not keys:
             return []
-        conn = self._require()
+        service = self._service()
         slots = page_slots(host_indices, self.page_size, len(keys))
-        result = conn.load(adopt_hashes(HASH_SCHEME, keys), slots)
-        return [i < result.loaded for i in range(len(keys))]
+        transfer = service.load(adopt_hashes(HASH_SCHEME, keys), slots)
+        if not transfer.wait(service.load_timeout_s):
+            transfer.cancel()  # nothing of it reaches the host pool after this
+            transfer.wait()
+        return [o is Outcome.LOADED for o in transfer.outcomes]
 
     def batch_set_v1(
         self,
@@ -152,18 +176,20 @@ class KvconnHiCacheStorage(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        """Store this rank's designated pages; all True unless a page was dropped.
+        """Store this rank's designated pages; per page, False where one was dropped.
 
-        kvconn reports a save by counts, not per page: when any page is dropped every
-        entry reads False, so SGLang logs the batch as failed and stops this backup.
+        The pages are captured out of the host pool before the service stores them, so
+        SGLang may reuse the host slots as soon as this returns. It waits for the store's
+        answer, on SGLang's backup thread, so a dropped page is reported, not hidden.
         """
         if not keys:
             return []
-        conn = self._require()
+        service = self._service()
         slots = page_slots(host_indices, self.page_size, len(keys))
         policy = None if self.every_rank_saves else WriterPolicy.ALL
-        result = conn.save(adopt_hashes(HASH_SCHEME, keys), slots, writer_policy=policy)
-        return [result.dropped == 0] * len(keys)
+        transfer = service.save(adopt_hashes(HASH_SCHEME, keys), slots, writer_policy=policy)
+        transfer.wait()
+        return [o is not Outcome.DROPPED for o in transfer.outcomes]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -199,6 +225,17 @@ class KvconnHiCacheStorage(HiCacheStorage):
         log.info("kvconn HiCache storage: clear() leaves the shared store untouched")
 
     def close(self) -> None:
+        """Finish or cancel transfers in flight, then close the store.
+
+        A service thread still inside a stalled backend call after the deadline keeps the
+        backend open (closing it under the call could crash a native client).
+        """
+        if self.transfers is not None:
+            clean = self.transfers.close()
+            self.transfers = None
+            if not clean:
+                self.connector = None
+                return
         if self.connector is not None:
             self.connector.close()
             self.connector = None

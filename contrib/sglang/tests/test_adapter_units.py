@@ -168,3 +168,39 @@ def test_a_side_pool_needing_the_v2_calls_is_refused_at_attach():
     storage.register_mem_host_pool_v2(object(), "kv")  # hybrid controllers register KV too
     with pytest.raises(ConfigError, match="'indexer' pool"):
         storage.register_mem_host_pool_v2(object(), "indexer")
+
+
+def test_a_large_batch_set_does_not_delay_batch_exists_on_a_thread_safe_backend():
+    """SGLang's backup thread stores while its prefetch thread asks: nothing serializes
+    them when the backend is safe to share (the store's put is held until the end)."""
+    import threading
+
+    from kvconn.hashing import adopt_hashes
+    from tests.fakes import GatedBackend
+
+    store = GatedBackend()  # declares thread_safe
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1))
+    shape = mha_shape("page_first", pages=64)
+    shape.kv_buffer.normal_()
+    storage.attach(shape, backend=store)
+    try:
+        stored = ["ab" * 32]
+        storage.batch_set_v1(stored, torch.arange(0, 4))
+        assert storage.batch_exists(stored) == 1
+        big = [f"{i:064x}" for i in range(1, 60)]
+        store.hold("put")
+        backup = threading.Thread(
+            target=storage.batch_set_v1, args=(big, torch.arange(4, 4 + 4 * len(big)))
+        )
+        backup.start()
+        assert store.wait_entered("put")
+        assert storage.batch_exists(stored) == 1  # answered while the put is held
+        assert storage.batch_exists(big[:1]) == 0
+        store.release("put")
+        backup.join(10)
+        assert storage.batch_exists(big) == len(big)
+        assert storage.connector is not None
+        assert storage.connector.lookup(adopt_hashes("sglang:sha256", big)).blocks == len(big)
+    finally:
+        store.release("put")
+        storage.close()
