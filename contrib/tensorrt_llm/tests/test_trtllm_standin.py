@@ -77,7 +77,6 @@ def test_a_prompt_sharing_a_prefix_loads_only_the_shared_blocks(runs):
         assert shared["loaded_equal"] == [True] * 4
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_a_block_completed_in_the_step_that_loads_the_prefix_is_saved_in_that_step(runs):
     # SHARED loads 16 tokens and computes 6: its 5th block is done after that one step.
     # TensorRT-LLM reports this step's start without the loaded tokens (computed_position
@@ -92,7 +91,6 @@ def test_a_fully_stored_prompt_still_computes_its_last_block(runs):
     assert [r["requests"][4]["matched_tokens"] for r in served(runs, "mha")] == [16, 16]
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_each_ranks_distinct_heads_are_stored_as_its_own_pages(runs):
     _, tmp = runs
     # P: 5 blocks, SHARED: 1 new full block, EXACT: 5 blocks — per rank
@@ -130,7 +128,6 @@ def test_the_same_prompt_under_another_lora_adapter_misses(runs):
         assert r["requests"][2]["loaded_equal"] == [True] * 5
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_chunked_prefill_saves_each_chunks_blocks_in_its_own_step(runs):
     _, tmp = runs
     for r in served(runs, "chunked"):
@@ -147,7 +144,6 @@ def test_chunked_prefill_saves_each_chunks_blocks_in_its_own_step(runs):
     assert stored_components(str(tmp / "chunked")) == {"w2r0": 16, "w2r1": 16}
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_a_page_evicted_after_lookup_fails_the_request_on_every_rank_and_serving_goes_on(runs):
     _, tmp = runs
     ranks = served(runs, "evict")

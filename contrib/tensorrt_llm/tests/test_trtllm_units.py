@@ -210,7 +210,6 @@ def _prompt_request(request_id: int, tokens: int):
     )
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_a_block_the_loading_step_completes_is_saved_although_the_engine_reports_0():
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
     scheduler = connector.KvconnScheduler(args)
@@ -240,7 +239,6 @@ def _worker_whose_load_fails(monkeypatch):
     return worker, conn
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_a_failed_load_is_raised_inside_the_forward_not_by_start_load_kv(monkeypatch):
     # an exception from start_load_kv ends TensorRT-LLM's executor loop; one from a
     # layer hook fails the active requests and the engine serves on
@@ -252,7 +250,6 @@ def test_a_failed_load_is_raised_inside_the_forward_not_by_start_load_kv(monkeyp
     worker.wait_for_layer_load(1, None)  # raised once per step
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 def test_a_forward_without_layer_hooks_saves_nothing_after_a_failed_load(monkeypatch):
     worker, conn = _worker_whose_load_fails(monkeypatch)
     worker.start_load_kv(None)
@@ -266,7 +263,6 @@ def test_the_worker_asks_for_no_forward_pass_callable(monkeypatch):
     assert connector.KvconnWorker(TorchLlmArgs(model="m")).register_forward_pass_callable() is None
 
 
-@pytest.mark.xfail(strict=True, reason="the adapter does not follow the 1.2 call order yet")
 @pytest.mark.parametrize("cls", ["KvconnWorker", "KvconnScheduler"])
 def test_without_block_reuse_the_connector_is_refused_at_start_up(cls):
     # TensorRT-LLM never calls a connector when block reuse is off
