@@ -1,13 +1,13 @@
 """kvconn as a TensorRT-LLM 1.2 KV-cache connector (``kv_connector_config``).
 
-Written from the connector API's documented signatures and tested only against a
-stand-in of that interface (contrib/tensorrt_llm/tests/standin): see
-docs/engines/tensorrt-llm.md before relying on it.
+Tested against a stand-in of the connector interface and of the engine-side manager
+that drives it, checked against TensorRT-LLM's source (contrib/tensorrt_llm/tests/
+standin, docs/engines/tensorrt-llm.md); never against the engine itself.
 
 Scheduler (rank 0, no KV tensors): ``get_num_new_matched_tokens`` hashes the request's
 full blocks with kvconn's own chain (scoped by its LoRA task; requests with multimodal
 inputs are left alone) and answers from one ``lookup``; the hit becomes a
-load in the next step's metadata, which TensorRT-LLM broadcasts to every rank. Blocks
+load in this step's metadata, which TensorRT-LLM broadcasts to every rank. Blocks
 that a step completes become saves. Loads and saves are synchronous: loads happen in
 ``start_load_kv`` before the forward pass, saves in ``wait_for_save`` after it.
 
@@ -15,10 +15,14 @@ Worker (every rank): ``register_kv_caches`` describes the rank's primary pool as
 kvconn layout; the rank-0 worker also hands that layout (as a dict) to the scheduler
 next to it, which is how the scheduler learns the keys without holding a tensor.
 
-The 1.2 interface has no way to tell the engine that a promised block did not arrive
-(a page evicted between lookup and load). Rather than let the forward pass read stale
-KV, ``start_load_kv`` then raises :class:`KvconnLoadError` after loading what it could,
-so the engine fails those requests; the failed blocks' slots are left untouched.
+A promised block that did not arrive (a page evicted between lookup and load) must
+not be read by the forward pass, and 1.2 has no way to ask for its recomputation. An
+exception from ``start_load_kv`` would end the engine's executor loop (nothing catches
+it there), and one rank failing alone would leave the others waiting in the forward's
+collectives. So the ranks agree on failed loads in ``start_load_kv`` (one allgather,
+only in steps that load) and every rank raises :class:`KvconnLoadError` from the first
+``wait_for_layer_load``, inside the forward, where the engine fails the active
+requests with the error and serves on. The failed blocks' slots are left untouched.
 """
 
 from __future__ import annotations
@@ -86,13 +90,42 @@ def _tokens_per_block(llm_args: Any) -> int:
     return int(llm_args.kv_cache_config.tokens_per_block)
 
 
+def _require_block_reuse(llm_args: Any) -> None:
+    """TensorRT-LLM consults a connector only when it adds a request with block reuse on;
+    without it the engine warns and never calls the connector, so kvconn would neither
+    load nor save: a configuration mistake, said at start-up."""
+    if not getattr(llm_args.kv_cache_config, "enable_block_reuse", True):
+        raise ConfigError(
+            "the kvconn connector needs kv_cache_config.enable_block_reuse=True: "
+            "without block reuse TensorRT-LLM never calls a KV-cache connector"
+        )
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (TensorRT-LLM's MPI world is the TP group:
+    pipeline parallelism and attention DP are refused)."""
+    from tensorrt_llm._utils import mpi_allgather
+
+    gathered = mpi_allgather(obj)
+    # without multi-device support TensorRT-LLM returns the object itself, not a list
+    return gathered if isinstance(gathered, list) else [gathered]
+
+
 # ------------------------------------------------------------------------ worker
 class KvconnWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self.rank, self.tp_size = _tp(llm_args)
+        _require_block_reuse(llm_args)
         self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
         self.connector: Connector | None = None
+        #: this step's failed loads, agreed by every rank; raised inside the forward
+        self._load_error: KvconnLoadError | None = None
+
+    def register_forward_pass_callable(self) -> None:
+        """Nothing to call at the end of the forward: saves wait in ``wait_for_save``,
+        which TensorRT-LLM calls after every forward pass, CUDA graph replays included."""
+        return None
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         global _published_layout
@@ -114,28 +147,41 @@ class KvconnWorker(KvCacheConnectorWorker):
         return self.connector
 
     def start_load_kv(self, stream: Any) -> None:
+        """Load this step's hits; agree with the other ranks on what failed (see module)."""
+        self._load_error = None
         meta = self.get_connector_meta()
         if meta is None or not meta.loads:
-            return
+            return  # the same on every rank: the metadata is broadcast
         conn = self._require()
         failed = []
         for t in meta.loads:
             result = conn.load(t.hashes, t.block_ids)
             if not result.ok:
                 failed.append(f"request {t.request_id}: blocks {result.loaded}..")
-        if failed:
-            raise KvconnLoadError(
+        everywhere = [
+            f"rank {rank}: {what}" for rank, mine in _gather((self.rank, failed)) for what in mine
+        ]
+        if everywhere:
+            self._load_error = KvconnLoadError(
                 "kvconn: KV blocks the scheduler found did not load (evicted or unreadable): "
-                + "; ".join(failed)
+                + "; ".join(everywhere)
             )
 
+    def _raise_failed_load(self) -> None:
+        error, self._load_error = self._load_error, None
+        if error is not None:
+            raise error
+
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Nothing to wait for: start_load_kv loaded every layer before the forward."""
+        """Every layer was loaded before the forward; a failed load fails it here."""
+        self._raise_failed_load()
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Nothing per layer: wait_for_save stores whole blocks after the forward."""
 
     def wait_for_save(self, stream: Any) -> None:
+        # a forward that ran without layer hooks read the failed slots: save none of it
+        self._raise_failed_load()
         meta = self.get_connector_meta()
         if meta is None or not meta.saves:
             return
@@ -158,12 +204,15 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # full blocks already sent for saving (or loaded)
     pending_load: Transfer | None = None
+    #: tokens promised to load synchronously; the engine's first report leaves them out
+    loading_tokens: int = 0
 
 
 class KvconnScheduler(KvCacheConnectorScheduler):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         _, self.tp_size = _tp(llm_args)
+        _require_block_reuse(llm_args)
         self.tokens_per_block = _tokens_per_block(llm_args)
         self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
         self._lookup: Connector | None = None
@@ -201,7 +250,8 @@ class KvconnScheduler(KvCacheConnectorScheduler):
             return 0, False
         state.pending_load = Transfer(request.request_id, hashes[first:hit], [])
         state.saved_blocks = hit  # loaded blocks are already in the store
-        return hit * self.tokens_per_block - num_computed_tokens, False
+        state.loading_tokens = hit * self.tokens_per_block - num_computed_tokens
+        return state.loading_tokens, False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """``block_ids``: all of the request's blocks, in token order."""
@@ -210,8 +260,17 @@ class KvconnScheduler(KvCacheConnectorScheduler):
             state.block_ids = list(block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvconnMetadata:
+        """This step's loads, and saves of the prompt blocks the step completes.
+
+        A step ends at ``computed_position + num_scheduled_tokens``, except in a request's
+        first report: there TensorRT-LLM gives ``computed_position`` without the tokens
+        the connector loads in that step (its context position minus the matched tokens),
+        so those are added back here.
+        """
         meta = KvconnMetadata()
-        for data in [*scheduler_output.new_requests, *scheduler_output.cached_requests]:
+        reports = [(d, True) for d in scheduler_output.new_requests]
+        reports += [(d, False) for d in scheduler_output.cached_requests]
+        for data, is_new in reports:
             state = self._requests.get(data.request_id)
             if state is None:
                 continue
@@ -225,7 +284,11 @@ class KvconnScheduler(KvCacheConnectorScheduler):
                     meta.loads.append(load)
                 else:  # the engine allocated fewer blocks than the hit: recompute them
                     state.saved_blocks = first
-            done = (data.computed_position + data.num_scheduled_tokens) // self.tokens_per_block
+            start = data.computed_position
+            if is_new:
+                start += state.loading_tokens
+            state.loading_tokens = 0
+            done = (start + data.num_scheduled_tokens) // self.tokens_per_block
             done = min(done, len(state.hashes), len(state.block_ids))
             if done > state.saved_blocks:
                 meta.saves.append(

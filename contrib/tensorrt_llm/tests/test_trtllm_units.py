@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import types
+from unittest import mock
+
 import pytest
 import torch
 from tensorrt_llm._torch.pyexecutor.kv_cache_connector import RequestData, SchedulerOutput
@@ -117,3 +122,150 @@ def test_a_request_with_multimodal_inputs_is_neither_looked_up_nor_saved(monkeyp
     assert scheduler.get_num_new_matched_tokens(Request(), 0) == (0, False)
     output = SchedulerOutput(new_requests=[RequestData(3, list(range(40)), list(range(10)), 0, 40)])
     assert scheduler.build_connector_meta(output).saves == []
+
+
+# ------------------------------------------------------------ the 1.2 interface
+def test_the_standin_has_the_abstract_methods_and_parameters_of_tensorrt_llm_1_2():
+    # kv_cache_connector.py at 3277953654b9b2863dae4f1cb81856b172837db4, lines 84-235
+    from tensorrt_llm._torch.pyexecutor import kv_cache_connector as api
+
+    assert api.KvCacheConnectorWorker.__abstractmethods__ == {
+        "register_kv_caches",
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_finished",
+    }
+    assert api.KvCacheConnectorScheduler.__abstractmethods__ == {
+        "build_connector_meta",
+        "get_num_new_matched_tokens",
+        "request_finished",
+        "update_state_after_alloc",
+    }
+    expected = {
+        "register_forward_pass_callable": ["self"],
+        "register_kv_caches": ["self", "kv_cache_tensor"],
+        "start_load_kv": ["self", "stream"],
+        "wait_for_layer_load": ["self", "layer_idx", "stream"],
+        "save_kv_layer": ["self", "layer_idx", "stream"],
+        "wait_for_save": ["self", "stream"],
+        "get_finished": ["self", "finished_gen_req_ids", "started_loading_req_ids"],
+        "build_connector_meta": ["self", "scheduler_output"],
+        "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
+        "request_finished": ["self", "request", "cache_block_ids"],
+        "update_state_after_alloc": ["self", "request", "block_ids"],
+    }
+    for name, params in expected.items():
+        cls = (
+            api.KvCacheConnectorWorker
+            if hasattr(api.KvCacheConnectorWorker, name)
+            else (api.KvCacheConnectorScheduler)
+        )
+        assert list(inspect.signature(getattr(cls, name)).parameters) == params, name
+    assert [f.name for f in dataclasses.fields(api.RequestData)] == [
+        "request_id",
+        "new_tokens",
+        "new_block_ids",
+        "computed_position",
+        "num_scheduled_tokens",
+    ]
+
+
+def test_the_standin_reports_a_first_chunk_without_the_tokens_the_connector_loads():
+    # as TensorRT-LLM's own test: a 4-token match, context position 4, reported as 0
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import KvCacheConnectorManager
+    from tensorrt_llm._torch.pyexecutor.scheduler import ScheduledRequests
+
+    scheduler = mock.Mock()
+    scheduler.get_num_new_matched_tokens.return_value = (4, False)
+    manager = KvCacheConnectorManager(mock.Mock(), scheduler)
+    request = mock.Mock(request_id=5, is_generation_only_request=False)
+    request.get_tokens.return_value = list(range(10))
+    assert manager.get_num_new_matched_tokens(request, 0) == 4
+    request.context_current_position, request.context_chunk_size = 4, 6
+    request.context_remaining_length = 6
+    blocks = mock.Mock()
+    blocks.get_cache_indices.return_value = [7, 8, 9]
+    manager.build_scheduler_output(ScheduledRequests(context_requests=[request]), blocks)
+    manager.handle_metadata()
+    (output,) = scheduler.build_connector_meta.call_args.args
+    (data,) = output.new_requests
+    assert (data.computed_position, data.num_scheduled_tokens) == (0, 6)
+    assert data.new_block_ids == [7, 8, 9]
+
+
+# ------------------------------------------------------------ the adapter under 1.2
+class _Hit:
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+    def lookup(self, hashes):
+        return types.SimpleNamespace(blocks=min(self.blocks, len(hashes)))
+
+
+def _prompt_request(request_id: int, tokens: int):
+    return types.SimpleNamespace(
+        request_id=request_id, get_tokens=lambda beam: list(range(100, 100 + tokens))
+    )
+
+
+def test_a_block_the_loading_step_completes_is_saved_although_the_engine_reports_0():
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
+    scheduler = connector.KvconnScheduler(args)
+    scheduler._lookup = _Hit(4)  # type: ignore[assignment]
+    request = _prompt_request(3, 22)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (16, False)
+    scheduler.update_state_after_alloc(request, [10, 11, 12, 13, 14, 15])
+    # TensorRT-LLM: context position 16 minus the 16 loaded tokens; 6 tokens scheduled
+    first = RequestData(3, list(range(100, 122)), [10, 11, 12, 13, 14, 15], 0, 6)
+    meta = scheduler.build_connector_meta(SchedulerOutput(new_requests=[first]))
+    assert [t.block_ids for t in meta.loads] == [[10, 11, 12, 13]]
+    assert [t.block_ids for t in meta.saves] == [[14]]
+    # the next report is the position reached, loaded tokens included
+    later = RequestData(3, [9], [], 22, 1)
+    assert scheduler.build_connector_meta(SchedulerOutput(cached_requests=[later])).saves == []
+
+
+def _worker_whose_load_fails(monkeypatch):
+    monkeypatch.delenv("KVCONN_CONFIG", raising=False)
+    worker = connector.KvconnWorker(TorchLlmArgs(model="m"))
+    conn = mock.Mock()
+    conn.load.return_value = types.SimpleNamespace(ok=False, loaded=2)
+    worker.connector = conn
+    load = connector.Transfer(9, [b"a", b"b", b"c"], [4, 5, 6])
+    save = connector.Transfer(9, [b"d"], [7])
+    worker.bind_connector_meta(connector.KvconnMetadata(loads=[load], saves=[save]))
+    return worker, conn
+
+
+def test_a_failed_load_is_raised_inside_the_forward_not_by_start_load_kv(monkeypatch):
+    # an exception from start_load_kv ends TensorRT-LLM's executor loop; one from a
+    # layer hook fails the active requests and the engine serves on
+    worker, _ = _worker_whose_load_fails(monkeypatch)
+    worker.start_load_kv(None)
+    with pytest.raises(connector.KvconnLoadError, match=r"rank 0: request 9: blocks 2\.\."):
+        worker.wait_for_layer_load(0, None)
+    worker.save_kv_layer(0, None)
+    worker.wait_for_layer_load(1, None)  # raised once per step
+
+
+def test_a_forward_without_layer_hooks_saves_nothing_after_a_failed_load(monkeypatch):
+    worker, conn = _worker_whose_load_fails(monkeypatch)
+    worker.start_load_kv(None)
+    with pytest.raises(connector.KvconnLoadError):
+        worker.wait_for_save(None)
+    conn.save.assert_not_called()
+
+
+def test_the_worker_asks_for_no_forward_pass_callable(monkeypatch):
+    monkeypatch.delenv("KVCONN_CONFIG", raising=False)
+    assert connector.KvconnWorker(TorchLlmArgs(model="m")).register_forward_pass_callable() is None
+
+
+@pytest.mark.parametrize("cls", ["KvconnWorker", "KvconnScheduler"])
+def test_without_block_reuse_the_connector_is_refused_at_start_up(cls):
+    # TensorRT-LLM never calls a connector when block reuse is off
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(enable_block_reuse=False))
+    with pytest.raises(ConfigError, match="enable_block_reuse"):
+        getattr(connector, cls)(args)
