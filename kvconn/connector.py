@@ -93,6 +93,7 @@ class CapturedPages:
     values: list[memoryview]
     owned: set[int]  # blocks with at least one page this rank writes
     ready: Callable[[], None] = lambda: None  # waits until the gather has finished
+    captured: Callable[[], bool] = lambda: True  # whether it has, without waiting
 
 
 class Connector:
@@ -269,13 +270,14 @@ class Connector:
         event it records (the transfer service does this).
         """
         values = self._gather(pages, slots, buffer, view, sync=False)
-        ready: Callable[[], None] = lambda: None  # noqa: E731
+        owned = {p.block for p in pages}
+        captured = CapturedPages(len(block_hashes), list(pages), values, owned)
         if self.device.type == "cuda":
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self.device))
-            ready = event.synchronize
-        owned = {p.block for p in pages}
-        return CapturedPages(len(block_hashes), list(pages), values, owned, ready)
+            captured.ready = event.synchronize
+            captured.captured = event.query
+        return captured
 
     def store_captured(self, batch: Sequence[CapturedPages]) -> list[SaveResult]:
         """Store captured saves together: one ``exists`` and one ``put`` for all of them.

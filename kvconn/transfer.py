@@ -79,6 +79,7 @@ class Transfer:
         self._on_done: Callable[[Transfer], None] | None = None
         # saves: parts still being stored, and what the finished ones reported
         self._parts = 0
+        self._captures: list[CapturedPages] = []
         self._partial: SaveResult | None = None
         # loads: blocks scattered so far, and whether the engine gave up on it
         self._loaded = 0
@@ -90,6 +91,14 @@ class Transfer:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def captured(self) -> bool:
+        """Whether the engine's blocks are no longer needed: a save's pages are all in
+        staging (on a CUDA pool, once the side-stream copies have run), or it was dropped.
+        A load needs its slots until it is :meth:`done`."""
+        if self.kind == "load":
+            return self.done()
+        return all(c.captured() for c in self._captures)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until finished; whether it has."""
@@ -251,6 +260,7 @@ class TransferService:
                         transfer._part_stored(conn.drop(len(hashes), part))
                         continue
                     captured = conn.capture(hashes, slots, part, piece.tensor, piece.view)
+                    transfer._captures.append(captured)
                     jobs.append(_StoreJob(transfer, captured, piece))
         if jobs:
             with self._cond:
@@ -312,8 +322,9 @@ class TransferService:
         with self._cond:
             return len(self._open)
 
-    def order_reuse(self) -> None:
-        """Order the caller's CUDA stream after every capture queued so far.
+    def order_reuse(self, stream: Any = None) -> None:
+        """Order ``stream`` (default: the caller's current CUDA stream) after every
+        capture queued so far.
 
         Captures on a CUDA pool run on a side stream; work the engine queues after this
         call (the next forward pass, which may overwrite freed blocks) waits for them on
@@ -321,7 +332,9 @@ class TransferService:
         ``save`` returns.
         """
         if self._side is not None:
-            torch.cuda.current_stream(self.connector.device).wait_stream(self._side)
+            if stream is None:
+                stream = torch.cuda.current_stream(self.connector.device)
+            stream.wait_stream(self._side)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Finish or cancel in-flight work within ``timeout_s``; whether all of it ended.

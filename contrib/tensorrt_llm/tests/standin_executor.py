@@ -32,6 +32,7 @@ import hashlib
 import importlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class Scenario:
     chunk: int | None = None
     #: (prompt index, block, shard segment): rank 0 deletes that page after the lookup
     evict: tuple[int, int, str] | None = None
+    #: seconds every put of the store takes (a slow store; saves are still in flight
+    #: when their request finishes)
+    slow_put_s: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
 
     def shard_of(self, rank: int) -> int:
@@ -203,6 +207,8 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
     width = tpb * sc.heads * sc.head_dim if sc.kv_factor == 2 else tpb * sc.head_dim
     pool = torch.zeros(sc.blocks, sc.layers, sc.kv_factor, width, dtype=getattr(torch, sc.dtype))
     worker.register_kv_caches(pool)
+    if sc.slow_put_s:
+        _slow_puts(worker.connector.backend, sc.slow_put_s)
     blocks = _Blocks(sc.blocks, tpb)
     block_numel = sc.layers * sc.kv_factor * width
     shard = sc.shard_of(rank)
@@ -221,7 +227,7 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
         hashes = block_hashes(
             list(prompt), tpb, ReuseScope(lora_id=None if lora is None else str(lora))
         )
-        entry: dict[str, Any] = {"steps": 0, "saving_async": [], "written_by_step": []}
+        entry: dict[str, Any] = {"steps": 0, "saving_async": [], "handed_over_by_step": []}
         report["requests"].append(entry)
         finished = False
         while not finished:
@@ -232,8 +238,9 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                     sc.chunk or req.prompt_len, req.context_remaining_length
                 )
                 batch.context_requests.append(req)
-            else:
+            elif req.state == State.GENERATION_IN_PROGRESS:
                 batch.generation_requests.append(req)
+            # else: loading asynchronously, out of the batch until get_finished says so
             # prepare_resources
             for r in batch.context_requests:
                 if not r.added and manager.should_add_sequence(r):
@@ -251,7 +258,6 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                 blocks.reserve(r, len(r.tokens))
             manager.build_scheduler_output(batch, blocks)
             start = req.context_current_position if batch.context_requests else len(req.tokens) - 1
-            first_step = entry["steps"] == 1
             try:  # _kv_connector_start_batch: no error handling around it in the engine
                 manager.take_scheduled_requests_pending_load(batch)
                 manager.handle_metadata()
@@ -261,7 +267,11 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                 abandon_group(entry["fatal"])
                 report["stopped"] = True
                 return _close(report, worker, scheduler)
-            if first_step:
+            if batch.batch_size == 0:  # waiting for an asynchronous load
+                for done in manager.get_finished():
+                    blocks.release(done)
+                continue
+            if "loaded_equal" not in entry:  # the request's first step in a forward
                 ids = blocks.get_cache_indices(req)
                 hit = entry.get("matched_tokens", 0) // tpb
                 entry["loaded_equal"] = [
@@ -269,9 +279,8 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                     for b in range(hit)
                 ]
                 entry["untouched"] = [bool((pool[ids[b]] == 0).all()) for b in range(hit)]
-            if batch.batch_size == 0:
-                continue  # waiting for an asynchronous load
-            written_before = _written(worker)
+            meta = worker.get_connector_meta()
+            handing_over = sum(len(t.hashes) for t in meta.saves if t.request_id == i)
             try:  # _forward_step: an error fails the requests, the executor goes on
                 end = start + (req.context_chunk_size if batch.context_requests else 1)
                 ids = blocks.get_cache_indices(req)
@@ -283,7 +292,7 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                 if forward_pass_callable is not None:
                     forward_pass_callable()
                 worker.wait_for_save(None)
-                entry["written_by_step"].append(_written(worker) - written_before)
+                entry["handed_over_by_step"].append(handing_over)
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {exc}"
                 req.state = State.GENERATION_COMPLETE
@@ -300,13 +309,36 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                 entry["saving_async"].append(saving)
                 if not saving:
                     blocks.release(req)
+                    pool.view(torch.uint8).fill_(0xEE)  # reused at once by another request
             for done in manager.get_finished():  # _kv_connector_terminate_requests
                 blocks.release(done)
+                pool.view(torch.uint8).fill_(0xEE)  # reused at once by another request
+        # idle steps until this rank's saves are stored and its held blocks released, so
+        # the next prompt's lookup sees them (an engine just serves a miss meanwhile)
+        while True:  # get_finished is collective: every rank steps until all are idle
+            for done in manager.get_finished():
+                blocks.release(done)
+                pool.view(torch.uint8).fill_(0xEE)  # reused at once by another request
+            idle = not worker.transfers.in_flight and req.request_id not in blocks.table
+            if all(mpi_allgather(idle)):
+                break
+            time.sleep(0.001)
         mpi_allgather(("served", i))  # every rank saved before rank 0 looks up the next
         pool.zero_()  # nothing survives in the pool: the next request reads the store
         entry["finished_log"] = list(manager.finished_log)
         manager.finished_log.clear()
     return _close(report, worker, scheduler)
+
+
+def _slow_puts(backend: Any, seconds: float) -> None:
+    """Make every put of ``backend`` take ``seconds`` longer (this process only)."""
+    put = backend._put
+
+    def slow(keys: Any, values: Any) -> Any:
+        time.sleep(seconds)
+        return put(keys, values)
+
+    backend._put = slow
 
 
 def _written(worker: Any) -> int:
@@ -317,9 +349,9 @@ def _written(worker: Any) -> int:
 
 def _close(report: dict[str, Any], worker: Any, scheduler: Any) -> dict[str, Any]:
     report["kvconn"] = worker.connector.stats.snapshot()
-    worker.connector.close()
-    if scheduler is not None and scheduler._lookup is not None:
-        scheduler._lookup.close()
+    worker.close()
+    if scheduler is not None:
+        scheduler.close()
     return report
 
 

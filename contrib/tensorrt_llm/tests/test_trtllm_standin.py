@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
         "chunked": Scenario(
             (LONG, LONG_SHARED, LONG), chunk=8, max_tokens=3, env=config(tmp, "chunked")
         ),
+        "slow": Scenario((P, P, SHARED), slow_put_s=0.3, env=config(tmp, "slow")),
         "evict": Scenario((P, P, P), evict=(1, 2, "w2r1"), env=config(tmp, "evict")),
     }
     results = dict(zip(scenarios, run(list(scenarios.values()))))
@@ -77,13 +78,13 @@ def test_a_prompt_sharing_a_prefix_loads_only_the_shared_blocks(runs):
         assert shared["loaded_equal"] == [True] * 4
 
 
-def test_a_block_completed_in_the_step_that_loads_the_prefix_is_saved_in_that_step(runs):
-    # SHARED loads 16 tokens and computes 6: its 5th block is done after that one step.
-    # TensorRT-LLM reports this step's start without the loaded tokens (computed_position
-    # 0, 6 tokens scheduled); counting from there would save nothing, and the request
-    # finishes in this step.
+def test_a_block_completed_in_the_step_after_an_asynchronous_load_is_saved_in_that_step(runs):
+    # SHARED loads 16 tokens (out of the batch for a step), then computes 6: its 5th
+    # block is done after that one step, and the request finishes in it.
     for r in served(runs, "mha"):
-        assert r["requests"][2]["written_by_step"] == [1]
+        shared = r["requests"][2]
+        assert shared["handed_over_by_step"] == [1]
+        assert shared["steps"] >= 2  # at least one step out of the batch, loading
 
 
 def test_a_fully_stored_prompt_still_computes_its_last_block(runs):
@@ -98,11 +99,24 @@ def test_each_ranks_distinct_heads_are_stored_as_its_own_pages(runs):
     assert [written(r) for r in served(runs, "mha")] == [11, 11]
 
 
-def test_loads_and_saves_finish_within_the_step_so_blocks_are_freed_at_once(runs):
+def test_loads_and_finished_saves_are_reported_through_get_finished(runs):
     for r in served(runs, "mha"):
-        for entry in r["requests"]:
-            assert entry["saving_async"] == [False]
-            assert all(answer == ([], []) for _, answer in entry["finished_log"])
+        for i, entry in enumerate(r["requests"]):
+            saved = i in {e for _, (s, _) in entry["finished_log"] for e in s}
+            loaded = i in {e for _, (_, ld) in entry["finished_log"] for e in ld}
+            assert entry["saving_async"] == [saved]  # held only while it had saves
+            assert loaded == (entry["matched_tokens"] > 0)
+
+
+def test_blocks_reused_as_soon_as_get_finished_releases_them_never_reach_the_store(runs):
+    """A slow store: every save is still being stored when its request finishes, and the
+    executor overwrites the whole pool the moment blocks are released. What the store
+    ends up holding is still each block's own bytes: later requests load them intact."""
+    for r in served(runs, "slow"):
+        first, again, shared = r["requests"]
+        assert first["saving_async"] == [True]
+        assert again["matched_tokens"] == 20 and again["loaded_equal"] == [True] * 5
+        assert shared["matched_tokens"] == 16 and shared["loaded_equal"] == [True] * 4
 
 
 def test_a_gqa_head_duplicated_on_both_ranks_is_stored_once_with_writes_spread(runs):
@@ -133,11 +147,11 @@ def test_chunked_prefill_saves_each_chunks_blocks_in_its_own_step(runs):
     for r in served(runs, "chunked"):
         long, shared, again = r["requests"]
         # LONG: chunks of 8 tokens, then two generated tokens; no block saved twice
-        assert long["written_by_step"] == [2, 2, 2, 2, 2, 0, 0]
+        assert long["handed_over_by_step"] == [2, 2, 2, 2, 2, 0, 0]
         # 16 tokens loaded, then chunks 16-24, 24-32, 32-40
         assert shared["matched_tokens"] == 16
         assert shared["loaded_equal"] == [True] * 4
-        assert shared["written_by_step"] == [2, 2, 2, 0, 0]
+        assert shared["handed_over_by_step"] == [2, 2, 2, 0, 0]
         # all 10 blocks stored; the engine still computes the prompt's last token
         assert again["matched_tokens"] == 36
         assert again["loaded_equal"] == [True] * 9
@@ -152,8 +166,8 @@ def test_a_page_evicted_after_lookup_fails_the_request_on_every_rank_and_serving
         failed = r["requests"][1]
         assert "fatal" not in failed
         assert "KvconnLoadError" in failed["error"]
-        assert "rank 1: request 1: blocks 2.." in failed["error"]
-        assert failed["written_by_step"] == []  # nothing computed from stale KV is saved
+        assert "request(s) [1]" in failed["error"]
+        assert failed["handed_over_by_step"] == []  # nothing computed from stale KV is saved
     loaded = ranks[1]["requests"][1]
     assert loaded["loaded_equal"][:2] == [True, True]
     assert loaded["untouched"][2:] == [True, True, True]

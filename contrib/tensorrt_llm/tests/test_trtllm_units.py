@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 import types
 from unittest import mock
 
@@ -197,11 +198,16 @@ def test_the_standin_reports_a_first_chunk_without_the_tokens_the_connector_load
 
 # ------------------------------------------------------------ the adapter under 1.2
 class _Hit:
+    """A lookup that finds the first ``blocks`` blocks of any prompt."""
+
     def __init__(self, blocks: int) -> None:
         self.blocks = blocks
 
-    def lookup(self, hashes):
+    def ask(self, tag, hashes):
         return types.SimpleNamespace(blocks=min(self.blocks, len(hashes)))
+
+    def forget(self, tag):
+        pass
 
 
 def _prompt_request(request_id: int, tokens: int):
@@ -210,52 +216,103 @@ def _prompt_request(request_id: int, tokens: int):
     )
 
 
-def test_a_block_the_loading_step_completes_is_saved_although_the_engine_reports_0():
+def test_a_hit_is_an_asynchronous_load_in_the_step_that_matched_it():
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
     scheduler = connector.KvconnScheduler(args)
     scheduler._lookup = _Hit(4)  # type: ignore[assignment]
     request = _prompt_request(3, 22)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (16, False)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (16, True)
     scheduler.update_state_after_alloc(request, [10, 11, 12, 13, 14, 15])
-    # TensorRT-LLM: context position 16 minus the 16 loaded tokens; 6 tokens scheduled
-    first = RequestData(3, list(range(100, 122)), [10, 11, 12, 13, 14, 15], 0, 6)
-    meta = scheduler.build_connector_meta(SchedulerOutput(new_requests=[first]))
+    # the request is out of this step: no report of it, but its load is in the metadata
+    meta = scheduler.build_connector_meta(SchedulerOutput())
     assert [t.block_ids for t in meta.loads] == [[10, 11, 12, 13]]
-    assert [t.block_ids for t in meta.saves] == [[14]]
-    # the next report is the position reached, loaded tokens included
+    assert meta.saves == []
+    # back after the load: its first report's position includes the loaded tokens
+    back = RequestData(3, list(range(100, 122)), [10, 11, 12, 13, 14, 15], 16, 6)
+    meta = scheduler.build_connector_meta(SchedulerOutput(new_requests=[back]))
+    assert meta.loads == [] and [t.block_ids for t in meta.saves] == [[14]]
     later = RequestData(3, [9], [], 22, 1)
     assert scheduler.build_connector_meta(SchedulerOutput(cached_requests=[later])).saves == []
+    # it had saves: the engine keeps its blocks until the workers report them captured
+    assert scheduler.request_finished(request, [10, 11, 12, 13, 14, 15]) is True
 
 
-def _worker_whose_load_fails(monkeypatch):
+def test_a_request_without_saves_frees_its_blocks_at_once():
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
+    scheduler = connector.KvconnScheduler(args)
+    scheduler._lookup = _Hit(0)  # type: ignore[assignment]
+    request = _prompt_request(4, 3)  # no full block
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.request_finished(request, [1]) is False
+
+
+def _worker(monkeypatch, tmp_path, hit_blocks: int = 3):
+    """A worker over a real LMDB store holding the first ``hit_blocks`` of a prompt."""
+    import torch
+
+    from kvconn.hashing import block_hashes
+
     monkeypatch.delenv("KVCONN_CONFIG", raising=False)
-    worker = connector.KvconnWorker(TorchLlmArgs(model="m"))
-    conn = mock.Mock()
-    conn.load.return_value = types.SimpleNamespace(ok=False, loaded=2)
-    worker.connector = conn
-    load = connector.Transfer(9, [b"a", b"b", b"c"], [4, 5, 6])
-    save = connector.Transfer(9, [b"d"], [7])
-    worker.bind_connector_meta(connector.KvconnMetadata(loads=[load], saves=[save]))
-    return worker, conn
+    monkeypatch.setenv("KVCONN_BACKEND", "lmdb")
+    monkeypatch.setenv("KVCONN_OPTION_PATH", str(tmp_path / "store"))
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
+    worker = connector.KvconnWorker(args)
+    pool = torch.randint(0, 100, (16, 2, 2, 4 * 2 * 8), dtype=torch.int16).to(torch.bfloat16)
+    worker.register_kv_caches(pool)
+    hashes = block_hashes(list(range(12)), 4)
+    assert worker.connector is not None
+    worker.connector.save(hashes[:hit_blocks], list(range(hit_blocks)))
+    return worker, hashes
 
 
-def test_a_failed_load_is_raised_inside_the_forward_not_by_start_load_kv(monkeypatch):
+def test_a_failed_load_is_reported_loaded_then_raised_inside_the_forward_of_its_request(
+    monkeypatch, tmp_path
+):
     # an exception from start_load_kv ends TensorRT-LLM's executor loop; one from a
     # layer hook fails the active requests and the engine serves on
-    worker, _ = _worker_whose_load_fails(monkeypatch)
+    worker, hashes = _worker(monkeypatch, tmp_path, hit_blocks=2)
+    load = connector.Transfer(9, hashes, [4, 5, 6])  # block 2 is not stored
+    worker.bind_connector_meta(connector.KvconnMetadata(loads=[load]))
+    worker.start_load_kv(None)  # submits, never raises
+    done: list[int] = []
+    for _ in range(500):
+        _, done = worker.get_finished([], [9] if not done else [])
+        if done:
+            break
+        time.sleep(0.01)
+    assert done == [9]
+    assert connector._failed_loads == {9}  # rank 0 tells its scheduler
+    # the request's next step: the scheduler names it, every rank fails that forward
+    worker.bind_connector_meta(connector.KvconnMetadata(failed=[9]))
     worker.start_load_kv(None)
-    with pytest.raises(connector.KvconnLoadError, match=r"rank 0: request 9: blocks 2\.\."):
+    with pytest.raises(connector.KvconnLoadError, match=r"request\(s\) \[9\]"):
         worker.wait_for_layer_load(0, None)
     worker.save_kv_layer(0, None)
     worker.wait_for_layer_load(1, None)  # raised once per step
+    connector._failed_loads.clear()
+    worker.close()
 
 
-def test_a_forward_without_layer_hooks_saves_nothing_after_a_failed_load(monkeypatch):
-    worker, conn = _worker_whose_load_fails(monkeypatch)
+def test_a_forward_without_layer_hooks_saves_nothing_after_a_failed_load(monkeypatch, tmp_path):
+    worker, hashes = _worker(monkeypatch, tmp_path)
+    save = connector.Transfer(9, hashes[2:], [7])
+    worker.bind_connector_meta(connector.KvconnMetadata(saves=[save], failed=[9]))
     worker.start_load_kv(None)
     with pytest.raises(connector.KvconnLoadError):
         worker.wait_for_save(None)
-    conn.save.assert_not_called()
+    assert worker.transfers is not None and worker.transfers.in_flight == 0
+    worker.close()
+
+
+def test_a_finished_requests_saves_are_reported_once_captured(monkeypatch, tmp_path):
+    worker, hashes = _worker(monkeypatch, tmp_path, hit_blocks=0)
+    save = connector.Transfer(5, hashes, [1, 2, 3])
+    worker.bind_connector_meta(connector.KvconnMetadata(saves=[save]))
+    worker.start_load_kv(None)
+    worker.wait_for_save(None)
+    assert worker.get_finished([5], []) == ([5], [])  # captured at hand-over on a CPU pool
+    assert worker.get_finished([], []) == ([], [])  # reported once
+    worker.close()
 
 
 def test_the_worker_asks_for_no_forward_pass_callable(monkeypatch):
