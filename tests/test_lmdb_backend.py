@@ -1,5 +1,7 @@
 """The LMDB backend against a real LMDB environment on disk."""
 
+import ctypes
+import mmap
 import os
 import stat
 import subprocess
@@ -259,3 +261,66 @@ def test_listing_skips_keys_other_programs_wrote_outside_kvconns_alphabet(tmp_pa
     escaped = "a/caf\u00e9".encode().decode("ascii", "surrogateescape")  # argv, C locale
     assert list(backend.list_keys(escaped)) == []
     backend.close()
+
+
+# ------------------------------------------------ the page cache
+
+
+def _resident_pages(path):
+    """(resident, total) pages of a file in the page cache (mincore over a fresh map)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), pages
+
+
+def _drop_from_page_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_exists_reads_the_index_not_the_values(tmp_path):
+    """Issue 17: the first lookup in a new process took 76-190 ms. exists() fetched each
+    value, and py-lmdb touches every 4 KiB page of a value it returns, so asking for 63
+    pages of 768 KiB read 47 MiB from the page cache, or from disk. Found by a cursor,
+    a key costs its B-tree pages and the head of its value."""
+    keys = [f"k/{i}" for i in range(8)]
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(keys, [os.urandom(1 << 20)] * 8)
+    backend.close()
+    data = tmp_path / "data.mdb"
+    _drop_from_page_cache(data)
+    resident, total = _resident_pages(data)
+    if resident > total // 10:
+        pytest.skip(f"cannot drop this file from the page cache here ({resident}/{total} stay)")
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    assert backend.exists(keys) == [True] * 8
+    resident, total = _resident_pages(data)
+    backend.close()
+    assert resident < total // 4, f"{resident} of {total} pages read to answer exists"
