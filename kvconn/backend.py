@@ -14,10 +14,14 @@ Semantics a backend must keep (the shipped conformance suite checks each):
   buffer's is a failure and leaves the buffer untouched. With ``scratch=True`` the
   caller declares the buffers its own scratch space: a key that fails may leave any
   bytes in its buffer (a value of the wrong size is still a failure, never a success).
+* ``borrow`` (optional, ``Capabilities.borrowed_reads``) lends read-only views of the
+  stored values for the length of a ``with`` block, so a caller can verify and scatter
+  straight from the store's memory instead of copying into staging first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 from abc import ABC, abstractmethod
@@ -54,6 +58,9 @@ class Capabilities:
     #: Calls may come from several threads at once. A connector serializes its calls
     #: to a backend that does not declare this (one lock per backend object).
     thread_safe: bool = False
+    #: borrow() lends read-only views of stored values where the store holds them (an
+    #: embedded store's memory map), saving the copy into staging that get() makes.
+    borrowed_reads: bool = False
 
 
 def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:
@@ -185,6 +192,47 @@ class Backend(ABC):
             raise ValueError(f"{op}: the buffer for {key!r} is read-only")
         return keys, views
 
+    def borrow(
+        self, keys: Sequence[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        """Lend the stored values of ``keys`` for the length of a ``with`` block.
+
+        ``with backend.borrow(keys) as views:`` gives, per key, a read-only memoryview of
+        the value where the store holds it, or ``None`` when the key is absent. Only with
+        ``capabilities.borrowed_reads``; raises :class:`BackendError` when the store cannot
+        answer, like ``exists`` (never ``None`` for "could not ask").
+
+        Why: ``get`` copies each value into a caller's buffer, and a load then reads that
+        copy twice more (checksum, scatter). A store whose values already sit in this
+        process's memory can let the caller verify and scatter from there, one copy fewer.
+
+        The views are valid only inside the block: do not keep them, or anything made
+        from them (numpy arrays, tensors), past its end — the store may reuse or unmap
+        that memory afterwards, and a backend may release the views so that using one
+        raises. Note for implementers: while the block runs, every view must keep the
+        bytes it showed when lent, whatever other processes or threads write, delete or
+        resize meanwhile (LMDB: one read transaction holds the snapshot), and the store
+        must stay usable by other callers.
+        """
+        if not self.capabilities.borrowed_reads:
+            raise NotImplementedError(
+                f"the {self.name!r} backend cannot lend stored values "
+                "(capabilities.borrowed_reads is not declared)"
+            )
+        keys = self._check_keys(keys)
+        if not keys:
+            return contextlib.nullcontext([])
+        return self._lent(keys)
+
+    @contextlib.contextmanager
+    def _lent(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
+        with self._borrow(keys) as views:
+            if len(views) != len(keys):
+                raise AssertionError(
+                    f"{self.name} backend borrow answered {len(views)} of {len(keys)} keys"
+                )
+            yield views
+
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove keys; per key, whether it was present. Only with ``capabilities.delete``."""
         if not self.capabilities.delete:
@@ -264,6 +312,15 @@ class Backend(ABC):
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         raise NotImplementedError
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        """Note for implementers: one view (read-only) or None per key, in order, with
+        duplicates answered each time; raise BackendError when the store cannot answer."""
+        raise NotImplementedError(
+            f"the {self.name!r} backend declares no borrowed reads (capabilities.borrowed_reads)"
+        )
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
         raise NotImplementedError

@@ -582,10 +582,10 @@ class _KeyRecorder(DictBackend):
         self.batches.append(type(keys))
         return super().put(keys, values)
 
-    def get(self, keys, buffers, *, scratch=False):  # type: ignore[no-untyped-def]
+    def read(self, keys, buffers, *, scratch=False):  # type: ignore[no-untyped-def]
         self.batches.append(type(keys))
         self.scratch.append(scratch)
-        return super().get(keys, buffers, scratch=scratch)
+        return super().read(keys, buffers, scratch=scratch)
 
 
 def test_the_connector_hands_backends_key_batches_it_has_already_vetted():

@@ -1,11 +1,17 @@
 """The LMDB backend against a real LMDB environment on disk."""
 
+import ctypes
+import mmap
 import os
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+from kvconn_lmdb import LmdbBackend
 
 from kvconn.errors import BackendError, ConfigError
 from kvconn.registry import load_backend
@@ -258,4 +264,223 @@ def test_listing_skips_keys_other_programs_wrote_outside_kvconns_alphabet(tmp_pa
     assert list(backend.list_keys("a/caf\u00e9")) == []
     escaped = "a/caf\u00e9".encode().decode("ascii", "surrogateescape")  # argv, C locale
     assert list(backend.list_keys(escaped)) == []
+    backend.close()
+
+
+# ------------------------------------------------ borrowed reads, page cache, durability
+
+
+def test_borrowed_views_are_released_when_the_block_ends(tmp_path):
+    """A view kept past its block would show pages LMDB may reuse (or unmap): it raises."""
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(["k"], [b"value"])
+    with backend.borrow(["k", "absent"]) as views:
+        kept = views[0]
+        assert kept is not None and bytes(kept) == b"value" and views[1] is None
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept)
+    backend.close()
+
+
+def test_borrowing_from_a_closed_backend_is_a_backend_error(tmp_path):
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.close()
+    with pytest.raises(BackendError, match="closed"), backend.borrow(["k"]):
+        pass
+
+
+def _wait_for(condition, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_growing_the_map_waits_until_another_threads_borrow_ends(tmp_path):
+    """Growing the map remaps it, which would leave borrowed views pointing at unmapped
+    memory (a crash on the next read of one): the put that must grow waits instead."""
+    backend = LmdbBackend(tmp_path, map_size=1 << 20)
+    value = os.urandom(64 * 1024)
+    backend.put(["lent"], [value])
+    big = [os.urandom(256 * 1024)] * 16  # 4 MiB: the 1 MiB map must grow
+    done = threading.Event()
+    errors = []
+
+    def grow():
+        try:
+            backend.put([f"big/{i}" for i in range(16)], big)
+        except BaseException as exc:
+            errors.append(exc)
+        done.set()
+
+    writer = threading.Thread(target=grow)
+    with backend.borrow(["lent"]) as views:
+        writer.start()
+        _wait_for(lambda: backend._shared._remapping, "the writer to ask for a remap")
+        assert not done.is_set()
+        assert views[0] is not None and bytes(views[0]) == value  # mapped, same bytes
+    writer.join(timeout=60)
+    assert done.is_set() and not errors
+    assert all(backend.exists([f"big/{i}" for i in range(16)]))
+    backend.close()
+
+
+def test_growing_the_map_inside_the_same_threads_borrow_is_an_error_not_a_deadlock(tmp_path):
+    backend = load_backend("lmdb", {"path": str(tmp_path), "map_size": 1 << 20})
+    backend.put(["lent"], [b"v"])
+    with backend.borrow(["lent"]) as views:
+        with pytest.raises(BackendError, match="finish the borrow block first"):
+            backend.put([f"big/{i}" for i in range(16)], [os.urandom(256 * 1024)] * 16)
+        assert views[0] is not None and bytes(views[0]) == b"v"
+    assert backend.put(["after"], [os.urandom(4 << 20)]) == [True]  # grows now
+    backend.close()
+
+
+_GROW_FROM_ANOTHER_PROCESS = """
+import os, sys
+from kvconn.registry import load_backend
+backend = load_backend("lmdb", {"path": sys.argv[1]})
+backend.put([f"big/{i}" for i in range(16)], [os.urandom(256 * 1024)] * 16)
+backend.close()
+"""
+
+
+def test_a_borrow_survives_another_process_growing_the_map(tmp_path):
+    """Another process's remap is its own mapping; this one keeps the snapshot's pages.
+    The next read here finds the map grown (MapResizedError) and adopts its size."""
+    backend = load_backend("lmdb", {"path": str(tmp_path), "map_size": 1 << 20})
+    value = os.urandom(64 * 1024)
+    backend.put(["lent"], [value])
+    with backend.borrow(["lent"]) as views:
+        subprocess.run(
+            [sys.executable, "-c", _GROW_FROM_ANOTHER_PROCESS, str(tmp_path)],
+            check=True,
+            timeout=120,
+        )
+        assert views[0] is not None and bytes(views[0]) == value
+    assert all(backend.exists([f"big/{i}" for i in range(16)]))
+    with backend.borrow(["big/15", "lent"]) as views:
+        assert views[0] is not None and views[0].nbytes == 256 * 1024
+        assert views[1] is not None and bytes(views[1]) == value
+    backend.close()
+
+
+def _resident_pages(path):
+    """(resident, total) pages of a file in the page cache (mincore over a fresh map)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = (ctypes.c_ubyte * pages)()
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), pages
+
+
+def _drop_from_page_cache(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_exists_reads_the_index_not_the_values(tmp_path):
+    """Issue 17: the first lookup in a new process took 76-190 ms. exists() fetched each
+    value, and py-lmdb touches every 4 KiB page of a value it returns, so asking for 63
+    pages of 768 KiB read 47 MiB from the page cache, or from disk. Found by a cursor,
+    a key costs its B-tree pages and the head of its value."""
+    keys = [f"k/{i}" for i in range(8)]
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(keys, [os.urandom(1 << 20)] * 8)
+    backend.close()
+    data = tmp_path / "data.mdb"
+    _drop_from_page_cache(data)
+    resident, total = _resident_pages(data)
+    if resident > total // 10:
+        pytest.skip(f"cannot drop this file from the page cache here ({resident}/{total} stay)")
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    assert backend.exists(keys) == [True] * 8
+    resident, total = _resident_pages(data)
+    backend.close()
+    assert resident < total // 4, f"{resident} of {total} pages read to answer exists"
+
+
+def _map_flags(path):
+    """VmFlags of this process's mapping of ``path`` (``rr``: random, ``sr``: sequential)."""
+    target = os.path.realpath(path)
+    with open("/proc/self/smaps") as fh:
+        lines = fh.read().splitlines()
+    flags, inside = [], False
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+            inside = fields[-1] == target
+        elif inside and line.startswith("VmFlags:"):
+            flags.append(set(fields[1:]))
+    return flags
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc needed")
+def test_the_map_is_read_ahead_only_while_values_are_copied(tmp_path):
+    """Lookups touch scattered B-tree pages (readahead off); copies walk whole values
+    (readahead on, or a cold value is read one 4 KiB fault at a time)."""
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(["k"], [b"v" * 10000])
+    data = tmp_path / "data.mdb"
+    assert backend.exists(["k"]) == [True]
+    assert [f & {"rr", "sr"} for f in _map_flags(data)] == [{"rr"}]
+    with backend.borrow(["k"]):
+        assert [f & {"rr", "sr"} for f in _map_flags(data)] == [{"sr"}]
+    assert [f & {"rr", "sr"} for f in _map_flags(data)] == [{"rr"}]
+    backend.close()
+
+
+_PUT_THEN_DIE = """
+import os, signal, sys
+from kvconn.registry import load_backend
+backend = load_backend("lmdb", {"path": sys.argv[1]})
+backend.put(["a", "b"], [b"x" * 100000, b"y"])
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no sync, no interpreter exit
+"""
+
+
+def test_a_process_killed_right_after_its_put_returned_loses_nothing(tmp_path):
+    """``sync=False`` skips fsync, not the write: a committed put is in the kernel's page
+    cache, which outlives the process. Only a system crash can lose it."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PUT_THEN_DIE, str(tmp_path)], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    buf = bytearray(100000)
+    assert backend.get(["a"], [buf]) == [True] and bytes(buf) == b"x" * 100000
+    assert backend.exists(["b"]) == [True]
+    backend.close()
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_the_sync_option_decides_whether_each_commit_is_flushed(tmp_path, sync):
+    backend = LmdbBackend(tmp_path, sync=sync)
+    flags = backend._env.flags()
+    assert (flags["sync"], flags["metasync"], flags["writemap"]) == (sync, sync, False)
     backend.close()

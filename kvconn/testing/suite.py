@@ -74,6 +74,23 @@ def _writer_process(
         queue.put((proc, False, repr(exc)))
 
 
+def _replacer_process(
+    name: str, options: dict[str, Any], key: str, size: int, prefix: str, queue: Any
+) -> None:
+    """Delete ``key`` and store other bytes under it, plus enough new values that a
+    store reusing freed space would reuse the old value's (while a borrow holds it)."""
+    try:
+        backend = load_backend(name, options)
+        backend.delete([key])
+        backend.put([key], [_value(999, size)])
+        for i in range(8):
+            backend.put([f"{prefix}/filler/{i}"], [_value(1000 + i, 4 * size)])
+        backend.close()
+        queue.put(("done", None))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("failed", repr(exc)))
+
+
 class BackendTests:
     """Conformance tests every backend must pass against a real store."""
 
@@ -218,6 +235,9 @@ class BackendTests:
             backend.put([key], [b"v"])
         with pytest.raises(InvalidKeyError):
             backend.get([key], [bytearray(1)])
+        if backend.capabilities.borrowed_reads:
+            with pytest.raises(InvalidKeyError):
+                backend.borrow([key])
 
     def test_bad_batches_are_rejected_with_a_clear_error(
         self, backend: Backend, prefix: str
@@ -279,6 +299,67 @@ class BackendTests:
             assert bytes(view[32768 : 32768 + 1500]) == b"\x33" * 1500
         finally:
             backend.unregister_buffer(view)
+
+    def test_a_backend_without_borrowed_reads_refuses_to_lend(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        if backend.capabilities.borrowed_reads:
+            pytest.skip("backend declares borrowed reads")
+        with pytest.raises(NotImplementedError, match="borrowed_reads"):
+            backend.borrow([f"{prefix}/k"])
+
+    def test_borrowed_views_show_the_stored_values_and_none_for_absent_keys(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        if not backend.capabilities.borrowed_reads:
+            pytest.skip("backend does not declare borrowed reads")
+        sizes = [1, 7, 4096, 65536 + 3, (1 << 20) + 1]
+        keys = [f"{prefix}/b{size}" for size in sizes]
+        values = [_value(size, size) for size in sizes]
+        assert backend.put(keys, values) == [True] * len(keys)
+        asked = [keys[3], f"{prefix}/absent", keys[0], keys[3], *keys[1:]]
+        expected = [values[3], None, values[0], values[3], *values[1:]]
+        with backend.borrow(asked) as views:
+            assert len(views) == len(asked)
+            for view, value in zip(views, expected):
+                if value is None:
+                    assert view is None
+                    continue
+                assert view is not None and view.readonly
+                assert view.nbytes == len(value) and bytes(view) == value
+        with backend.borrow([]) as nothing:
+            assert nothing == []
+
+    def test_borrowed_views_keep_their_bytes_while_another_process_replaces_the_value(
+        self, backend: Backend, backend_options: dict[str, Any], prefix: str
+    ) -> None:
+        """A view is the value as it was when lent, for the whole block: another
+        process deleting the key, storing other bytes under it and writing more may not
+        change it (LMDB: the read transaction pins its snapshot's pages)."""
+        if not backend.capabilities.borrowed_reads:
+            pytest.skip("backend does not declare borrowed reads")
+        if not backend.capabilities.delete:
+            pytest.skip("replacing a value needs delete")
+        size = 256 * 1024
+        key = f"{prefix}/lent"
+        original = _value(7, size)
+        backend.put([key], [original])
+        ctx = rank_context()
+        queue = ctx.Queue()
+        with backend.borrow([key]) as views:
+            proc = start(
+                ctx,
+                _replacer_process,
+                (self.backend_name, backend_options, key, size, prefix, queue),
+            )
+            status, detail = queue.get(timeout=120)
+            proc.join(timeout=30)
+            assert status == "done", detail
+            view = views[0]
+            assert view is not None and bytes(view) == original
+        buf = bytearray(size)
+        assert backend.get([key], [buf]) == [True]
+        assert bytes(buf) == _value(999, size)  # outside the block, the new value
 
     # ------------------------------------------------------------ model-based
     def test_random_operation_sequences_agree_with_a_first_writer_wins_dict(
@@ -375,6 +456,9 @@ class BackendTests:
                 backend.get([key], [bytearray(5)])
             with pytest.raises(BackendError):
                 backend.put([f"{prefix}/new"], [b"value"])
+            if backend.capabilities.borrowed_reads:
+                with pytest.raises(BackendError), backend.borrow([key]):
+                    pass
         finally:
             server_control.start()
 
