@@ -34,7 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvconn.errors import ConfigError
+from kvconn.errors import BackendError, ConfigError
 from kvconn_redis._config import RedisConfig
 from kvconn_redis._deadline import (
     DeadlineConnection,
@@ -351,26 +351,44 @@ class ClusterClient(_Commands):
     def __init__(self, config: RedisConfig) -> None:
         super().__init__(config)
         self._cluster: RedisCluster | None = None
-        self._lock = threading.Lock()
+        self._closed = False
+        self._lock = threading.Lock()  # making the client, and closing it
         self._pid = os.getpid()
+        #: redis-py's node table as a batch last saw it, and the pools of nodes that left
+        #: it with a connection still out; both change under _seen_lock only.
         self._nodes_seen: dict[str, Any] = {}
+        self._retired: list[DeadlinePool] = []
+        self._seen_lock = threading.Lock()
 
     def _after_batch(self) -> None:
-        """Close the idle connections of nodes that left the slot map.
+        """Close the connections of nodes that left the slot map, once they are idle.
 
         redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
         node failure) and just drops the nodes that left, whose pools keep their sockets
-        open until garbage collection gets to them.
+        open until garbage collection gets to them. With several threads, another
+        thread's batch, routed by the old map, may still have a connection to a departed
+        node out when this one sees the new map: that pool is kept as retired, and every
+        later batch closes what has come back to it until nothing is out. The table is
+        read and swapped under a lock, so a batch that saw an older table can never
+        replace a newer one (which would count live nodes as departed and lose track of
+        the ones in between); the common case, nothing changed, takes no lock.
         """
         cluster = self._cluster
-        nodes = cluster.nodes_manager.nodes_cache if cluster is not None else None
-        if nodes is None or nodes is self._nodes_seen:
+        if cluster is None:
             return
-        departed = [n for name, n in self._nodes_seen.items() if name not in nodes]
-        self._nodes_seen = nodes
-        for node in departed:
-            if node.redis_connection is not None:
-                node.redis_connection.connection_pool.disconnect(inuse_connections=False)
+        manager = cluster.nodes_manager
+        if manager.nodes_cache is self._nodes_seen and not self._retired:
+            return
+        with self._seen_lock:
+            nodes = manager.nodes_cache  # read under the lock: never older than the last
+            if nodes is not self._nodes_seen:
+                # A copy made at once: redis-py may still add to a table it replaced.
+                seen = list(self._nodes_seen.items())
+                self._nodes_seen = nodes
+                for name, node in seen:
+                    if name not in nodes and node.redis_connection is not None:
+                        self._retired.append(node.redis_connection.connection_pool)
+            self._retired = [pool for pool in self._retired if pool.close_idle()]
 
     def _make(self) -> RedisCluster:
         config = self.config
@@ -396,6 +414,10 @@ class ClusterClient(_Commands):
         if os.getpid() != self._pid:  # a parent thread may have held the lock at fork
             self._lock, self._pid = threading.Lock(), os.getpid()
         with self._lock:
+            # A call that passed the backend's closed check as close() ran must not make
+            # a new client: nothing would ever close it.
+            if self._closed:
+                raise BackendError(f"redis at {self.config.where}: the backend is closed")
             if self._cluster is None:
                 self._cluster = self._make()
             return self._cluster
@@ -436,9 +458,15 @@ class ClusterClient(_Commands):
             yield from _scan(self, cluster.get_redis_connection(node), prefix, seen)
 
     def close(self) -> None:
-        cluster, self._cluster = self._cluster, None
+        with self._lock:
+            self._closed = True
+            cluster, self._cluster = self._cluster, None
         if cluster is not None:
-            cluster.close()
+            cluster.close()  # the pools of the nodes in its table
+        with self._seen_lock:
+            retired, self._retired = self._retired, []
+        for pool in retired:
+            pool.disconnect()
 
 
 def make_client(config: RedisConfig) -> ServerClient | ClusterClient:
