@@ -1000,17 +1000,23 @@ def test_threads_get_right_answers_while_a_node_hands_all_its_slots_over(
     backend.close()
 
 
-def test_a_closed_cluster_client_makes_no_new_client_for_a_call_already_on_its_way(
-    redis_cluster: RedisCluster,
+def test_closing_a_cluster_backend_closes_its_connections_and_a_late_call_opens_none(
+    own_cluster: RedisCluster,
 ) -> None:
-    """close() may run while a call is past the backend's closed check: that call must
-    not build a new cluster client, which nothing would ever close."""
-    backend: Any = _open(redis_cluster.options)
+    """close() leaves no connection open, and a call already past the backend's closed
+    check when it ran must not build a new cluster client, which nothing would close.
+
+    (redis-py's ``RedisCluster.close`` leaves the node pools it was given open.)
+    """
+    backend: Any = _open(own_cluster.options)
+    assert backend.exists([f"close/{i}" for i in range(48)]) == [False] * 48  # every node
+    assert all(_client_connections(node) >= 1 for node in own_cluster.nodes)
     client = backend._client  # where a call goes once past RedisBackend's check
     backend.close()
     with pytest.raises(BackendError, match="closed"):
         client.exists(["late/call"])
     assert client._cluster is None
+    assert [_client_connections(node, settle=0) for node in own_cluster.nodes] == [0, 0, 0]
 
 
 def test_cluster_mode_aimed_at_a_plain_server_is_a_configuration_error(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, cast
 
@@ -354,24 +355,36 @@ class ClusterClient(_Commands):
         self._closed = False
         self._lock = threading.Lock()  # making the client, and closing it
         self._pid = os.getpid()
-        #: redis-py's node table as a batch last saw it, and the pools of nodes that left
-        #: it with a connection still out; both change under _seen_lock only.
+        #: Every node pool redis-py made for this client (it makes them through
+        #: _new_pool), redis-py's node table as a batch last saw it, and the pools no
+        #: table uses any more that still had a connection out; under _seen_lock.
+        self._pools: weakref.WeakSet[DeadlinePool] = weakref.WeakSet()
         self._nodes_seen: dict[str, Any] = {}
-        self._retired: list[DeadlinePool] = []
+        self._retired: set[DeadlinePool] = set()
         self._seen_lock = threading.Lock()
 
+    def _new_pool(self, **kwargs: Any) -> DeadlinePool:
+        """redis-py's ``connection_pool_class``: every node pool, remembered (weakly)."""
+        pool = DeadlinePool(**kwargs)
+        with self._seen_lock:
+            self._pools.add(pool)
+        return pool
+
     def _after_batch(self) -> None:
-        """Close the connections of nodes that left the slot map, once they are idle.
+        """Close the connections of pools no node table uses any more, once idle.
 
         redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
         node failure) and just drops the nodes that left, whose pools keep their sockets
-        open until garbage collection gets to them. With several threads, another
-        thread's batch, routed by the old map, may still have a connection to a departed
-        node out when this one sees the new map: that pool is kept as retired, and every
-        later batch closes what has come back to it until nothing is out. The table is
-        read and swapped under a lock, so a batch that saw an older table can never
-        replace a newer one (which would count live nodes as departed and lose track of
-        the ones in between); the common case, nothing changed, takes no lock.
+        open until garbage collection gets to them. With several threads, two things
+        make that worse: another thread's batch, routed by an older table, may still
+        have a connection to a departed node out when this one sees the new table, and
+        redis-py may install and replace a table between two batches' looks (a re-read
+        from a node that had not yet heard of a slot's move brings a node back, as a new
+        object with a new pool, until the next re-read drops it again). So each time
+        the table changed, every pool redis-py made for this client that the current
+        table does not use is retired, and every later batch closes what has come back
+        to a retired pool until nothing is out. The common case, nothing changed, takes
+        no lock.
         """
         cluster = self._cluster
         if cluster is None:
@@ -380,15 +393,16 @@ class ClusterClient(_Commands):
         if manager.nodes_cache is self._nodes_seen and not self._retired:
             return
         with self._seen_lock:
-            nodes = manager.nodes_cache  # read under the lock: never older than the last
+            nodes = manager.nodes_cache
             if nodes is not self._nodes_seen:
-                # A copy made at once: redis-py may still add to a table it replaced.
-                seen = list(self._nodes_seen.items())
                 self._nodes_seen = nodes
-                for name, node in seen:
-                    if name not in nodes and node.redis_connection is not None:
-                        self._retired.append(node.redis_connection.connection_pool)
-            self._retired = [pool for pool in self._retired if pool.close_idle()]
+                used = {
+                    id(node.redis_connection.connection_pool)
+                    for node in list(nodes.values())  # a copy at once: redis-py may add
+                    if node.redis_connection is not None
+                }
+                self._retired.update(pool for pool in self._pools if id(pool) not in used)
+            self._retired = {pool for pool in self._retired if pool.close_idle()}
 
     def _make(self) -> RedisCluster:
         config = self.config
@@ -399,7 +413,7 @@ class ClusterClient(_Commands):
             # connection_pool_class and connection_class: the deadline-aware ones.
             url=f"redis://{shown}:{port}",
             startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            connection_pool_class=DeadlinePool,
+            connection_pool_class=self._new_pool,
             connection_class=_connection_class(config),
             # Redirections are followed regardless; a failed node is not retried
             # within a call (the deadline would end it anyway), only at the next call.
@@ -462,10 +476,10 @@ class ClusterClient(_Commands):
             self._closed = True
             cluster, self._cluster = self._cluster, None
         if cluster is not None:
-            cluster.close()  # the pools of the nodes in its table
+            cluster.close()  # closes the pools of the nodes in its table only
         with self._seen_lock:
-            retired, self._retired = self._retired, []
-        for pool in retired:
+            pools, self._retired = list(self._pools), set()
+        for pool in pools:
             pool.disconnect()
 
 
