@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -72,6 +74,43 @@ def _options(cluster: MooncakeCluster, **extra: Any) -> dict[str, Any]:
 def _open(options: dict[str, Any]) -> Any:
     """The backend as the connector gets it: by name, through the entry point."""
     return load_backend("mooncake", options)
+
+
+class _StoppedStorage:
+    """write_stall: the storage processes stopped (SIGSTOP) while the master answers.
+
+    A put asks the master for room first (the master counts its keys as started), then
+    waits on the stopped process for its bytes; ``exists`` asks only the master. Held
+    puts are the keys started since :meth:`hold` and neither ended nor revoked yet, as
+    the master's metrics count them.
+    """
+
+    def __init__(self, cluster: MooncakeCluster) -> None:
+        self.cluster = cluster
+        self._base = 0
+        self._stopped: list[int] = []
+
+    def _in_flight(self) -> int:
+        metrics = self.cluster.metrics()
+        return int(
+            metrics["master_batch_put_start_items_total"]
+            - metrics["master_batch_put_end_items_total"]
+            - metrics["master_batch_put_revoke_items_total"]
+        )
+
+    def hold(self) -> None:
+        self._base = self._in_flight()
+        self._stopped = self.cluster.pids[1:]  # the master comes first
+        for pid in self._stopped:
+            os.kill(pid, signal.SIGSTOP)
+
+    def holding(self) -> int:
+        return self._in_flight() - self._base
+
+    def release(self) -> None:
+        stopped, self._stopped = self._stopped, []
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
 
 
 class _RestartMaster:
@@ -141,6 +180,10 @@ class TestMooncakeConformance(BackendTests):
     @pytest.fixture
     def backend_options(self, cluster: MooncakeCluster) -> dict[str, Any]:
         return _options(cluster)
+
+    @pytest.fixture
+    def write_stall(self, cluster: MooncakeCluster) -> _StoppedStorage:
+        return _StoppedStorage(cluster)
 
     @pytest.fixture
     def server_control(self, cluster: MooncakeCluster) -> _RestartMaster:
@@ -330,6 +373,132 @@ def test_misses_and_wrong_sizes_are_counted_once_per_buffer_on_either_read_path(
     assert backend.get(keys, bufs, scratch=scratch) == [False] * 4
     assert backend.counters["get_miss"] == 2
     assert backend.counters["get_wrong_size"] == 2
+
+
+# ---------------------------------------------------------------- threads
+def _run_threads(*targets: Any) -> None:
+    """Run every target on its own thread at once; fail with what any of them raised."""
+    problems: list[str] = []
+    start = threading.Barrier(len(targets))
+
+    def run(target: Any) -> None:
+        try:
+            start.wait(timeout=30)
+            target()
+        except BaseException as exc:
+            problems.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not problems, problems
+
+
+def test_transfers_stay_right_while_another_thread_registers_and_unregisters_memory(
+    backend: Any, prefix: str
+) -> None:
+    """Registration racing with transfers, through registered and scratch memory.
+
+    Each transfer thread moves half its keys from and into a registered arena (zero
+    copy) and half through scratch memory; another thread registers fresh buffers,
+    moves a value through each, and unregisters it. Every value must arrive whole, and
+    the counters must add up exactly: every key counted once, on the path it took.
+    """
+    threads, rounds, keys_per_round, size = 3, 8, 8, 16 * 1024
+    half = keys_per_round // 2
+    arena = memoryview(bytearray(threads * MiB))
+    backend.register_buffer(arena)
+    churns = 20
+
+    def transfer(t: int) -> None:
+        region = arena[t * MiB : (t + 1) * MiB]
+        for r in range(rounds):
+            keys = [f"{prefix}/t{t}/r{r}/{i}" for i in range(keys_per_round)]
+            values = [_value(t * 1000 + r * 10 + i, size) for i in range(keys_per_round)]
+            for i in range(half):
+                region[i * size : (i + 1) * size] = values[i]
+            sources: list[Any] = [region[i * size : (i + 1) * size] for i in range(half)]
+            sources += values[half:]  # through scratch memory
+            assert backend.put(keys, sources) == [True] * keys_per_round
+            into: list[Any] = [
+                region[(half + i) * size : (half + i + 1) * size] for i in range(half)
+            ]
+            into += [bytearray(size) for _ in range(half)]
+            assert backend.get(keys, into, scratch=r % 2 == 0) == [True] * keys_per_round
+            assert [bytes(b) for b in into] == values, f"thread {t} round {r}"
+
+    def churn() -> None:
+        for c in range(churns):
+            fresh = memoryview(bytearray(256 * 1024 + c * 4096))  # new memory each time
+            backend.register_buffer(fresh)
+            try:
+                key = f"{prefix}/churn/{c}"
+                fresh[:4096] = _value(c, 4096)
+                assert backend.put([key], [fresh[:4096]]) == [True]
+                out = fresh[8192 : 8192 + 4096]
+                assert backend.get([key], [out]) == [True] and bytes(out) == _value(c, 4096)
+            finally:
+                backend.unregister_buffer(fresh)
+
+    try:
+        _run_threads(*[lambda t=t: transfer(t) for t in range(threads)], churn)
+    finally:
+        backend.unregister_buffer(arena)
+    counters = backend.counters
+    per_path = threads * rounds * half
+    assert counters["register_refused"] == 0
+    assert counters["put_zero_copy"] == counters["get_zero_copy"] == per_path + churns
+    assert counters["put_scratch"] == counters["get_scratch"] == per_path
+
+
+def test_reads_and_puts_from_several_threads_fail_over_while_a_storage_process_is_dead(
+    loopback_env: None,
+) -> None:
+    """Fail-over state shared by threads: endpoints found dead, segments found alive.
+
+    Readers (two replicas of every key) and writers (one replica: the master still
+    places some on the dead segment) run at once while the master lists a dead storage
+    process. Every read loads, every put is stored, and nothing is counted as failed.
+    """
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=60) as pair:
+        reader = _open(_options(pair, replica_num=2))
+        writer = _open(_options(pair))
+        try:
+            keys = [f"replicas/{i}" for i in range(16)]
+            values = [_value(i, 128 * 1024) for i in range(16)]
+            assert reader.put(keys, values) == [True] * 16
+            pair.kill_storage(0)
+            assert len(pair.segments()) == 2  # the master still lists the dead segment
+
+            def read(t: int) -> None:
+                for attempt in range(3):
+                    buffers = [bytearray(len(v)) for v in values]
+                    scratch = (t + attempt) % 2 == 0
+                    assert reader.get(keys, buffers, scratch=scratch) == [True] * 16
+                    assert [bytes(b) for b in buffers] == values, (t, attempt)
+
+            def write(t: int) -> None:
+                for r in range(3):
+                    new = [f"after-death/{t}/{r}/{i}" for i in range(8)]
+                    new_values = [_value(t * 100 + r * 10 + i, 64 * 1024) for i in range(8)]
+                    assert writer.put(new, new_values) == [True] * 8, (t, r)
+                    buffers = [bytearray(len(v)) for v in new_values]
+                    assert writer.get(new, buffers, scratch=True) == [True] * 8, (t, r)
+                    assert [bytes(b) for b in buffers] == new_values
+
+            _run_threads(
+                *[lambda t=t: read(t) for t in range(3)], *[lambda t=t: write(t) for t in range(3)]
+            )
+            assert reader.counters["get_failed"] == 0 and reader.counters["get_failover"] > 0
+            assert writer.counters["put_failed"] == 0 and writer.counters["put_rerouted"] > 0
+            loaded = 3 * 3 * 16
+            assert reader.counters["get_zero_copy"] + reader.counters["get_scratch"] == loaded
+        finally:
+            reader.close()
+            writer.close()
 
 
 def test_a_value_read_before_can_still_be_deleted(backend: Any, prefix: str) -> None:

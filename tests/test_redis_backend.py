@@ -22,11 +22,12 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
 from redis.connection import AbstractConnection
+from redis.crc import key_slot
 
 from kvconn.backend import Backend
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
@@ -89,6 +90,34 @@ class _RestartCluster:
         self.cluster.wait_ready()
 
 
+class _PausedWrites:
+    """write_stall: ``CLIENT PAUSE … WRITE`` on every node; reads are still answered.
+
+    A paused server parks each write command it receives, and counts the connections
+    waiting so as ``blocked_clients``, until ``CLIENT UNPAUSE``.
+    """
+
+    def __init__(self, *nodes: RedisServer) -> None:
+        self.nodes = nodes
+
+    def hold(self) -> None:
+        for node in self.nodes:
+            node.command("CLIENT", "PAUSE", 60_000, "WRITE")
+
+    def holding(self) -> int:
+        return sum(_blocked_clients(node) for node in self.nodes)
+
+    def release(self) -> None:
+        for node in self.nodes:
+            node.command("CLIENT", "UNPAUSE")
+
+
+def _blocked_clients(node: RedisServer) -> int:
+    reply = node.command("INFO", "clients")
+    assert isinstance(reply, bytes)
+    return int(reply.split(b"blocked_clients:")[1].split()[0])
+
+
 def _open(options: dict[str, Any]) -> Backend:
     return load_backend("redis", options)
 
@@ -96,6 +125,8 @@ def _open(options: dict[str, Any]) -> Backend:
 # ---------------------------------------------------------------- conformance
 class TestRedisConformance(BackendTests):
     backend_name = "redis"
+    # The held puts must outlast the test's look at the server on a busy machine.
+    held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
     @pytest.fixture
     def backend_options(self, redis_server: RedisServer) -> dict[str, Any]:
@@ -105,9 +136,14 @@ class TestRedisConformance(BackendTests):
     def server_control(self, redis_server: RedisServer) -> _RestartServer:
         return _RestartServer(redis_server)
 
+    @pytest.fixture
+    def write_stall(self, redis_server: RedisServer) -> _PausedWrites:
+        return _PausedWrites(redis_server)
+
 
 class TestRedisClusterConformance(BackendTests):
     backend_name = "redis"
+    held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
     @pytest.fixture
     def backend_options(self, redis_cluster: RedisCluster) -> dict[str, Any]:
@@ -116,6 +152,10 @@ class TestRedisClusterConformance(BackendTests):
     @pytest.fixture
     def server_control(self, redis_cluster: RedisCluster) -> _RestartCluster:
         return _RestartCluster(redis_cluster)
+
+    @pytest.fixture
+    def write_stall(self, redis_cluster: RedisCluster) -> _PausedWrites:
+        return _PausedWrites(*redis_cluster.nodes)
 
 
 # ---------------------------------------------------------------- behaviour
@@ -815,6 +855,168 @@ def test_connections_to_a_node_that_left_the_slot_map_are_closed(
     assert backend.get(keys, bufs) == [True] * 64
     assert _client_connections(own_cluster.nodes[source], settle=0) == 0
     backend.close()
+
+
+def _slots_of(cluster: RedisCluster, node: int) -> list[int]:
+    ranges: Any = cluster.nodes[0].command("CLUSTER", "SLOTS")
+    return [
+        slot
+        for first, last, primary, *_ in ranges
+        if primary[1] == cluster.ports[node]
+        for slot in range(first, last + 1)
+    ]
+
+
+def _hand_over_empty_slots(
+    cluster: RedisCluster, slots: list[int], source: int, target: int
+) -> None:
+    """Give ``source``'s ``slots`` (holding no keys) to ``target``, telling every node.
+
+    One slot goes through IMPORTING first: the target then takes a new configuration
+    epoch when it is told it owns it, so a ping the source sent before it was told (still
+    claiming the slots, under its older epoch) cannot give them back to it.
+    """
+    _begin_migration(cluster, slots[0], source, target)
+    target_id = _text(cluster.nodes[target].command("CLUSTER", "MYID"))
+    # An emptied master would otherwise turn itself into a replica of the new owner as
+    # soon as gossip tells it, refusing the SETSLOTs still on their way to it.
+    cluster.nodes[source].command("CONFIG", "SET", "cluster-allow-replica-migration", "no")
+    for node in (target, source, *(i for i in range(3) if i not in (source, target))):
+        replies = _pipelined(
+            cluster.ports[node], [["CLUSTER", "SETSLOT", s, "NODE", target_id] for s in slots]
+        )
+        assert set(replies) == {b"+OK"}, set(replies)
+
+
+def _keys_in(slots: set[int], count: int, tag: str) -> list[str]:
+    keys = (f"{tag}/{i}" for i in range(100_000))
+    return [k for k in keys if key_slot(k.encode()) in slots][:count]
+
+
+def test_a_connection_another_thread_had_out_when_its_node_left_the_map_is_closed_on_return(
+    own_cluster: RedisCluster,
+) -> None:
+    """The node table changes while a batch routed by the old one is still on the node.
+
+    That batch's connection is in use when the batch that sees the new table closes the
+    departed node's idle ones; it must be closed once it comes back, not left open for
+    the life of the process (redis-py marks it for reconnection only when the departed
+    node happens to be the one it re-read the map from).
+    """
+    backend = _open({**own_cluster.options, "timeout_s": 60.0})
+    source, target = 2, 1  # not node 0: that is the seed the map is read from
+    slots = _slots_of(own_cluster, source)
+    leaving = _keys_in(set(slots), 40, "retire")
+    assert backend.exists([f"warm-up/{i}" for i in range(48)]) == [False] * 48  # every node
+    held: list[object] = []
+    writes = _PausedWrites(own_cluster.nodes[source])
+    writes.hold()
+    try:
+        # A put to the leaving node, parked there: its connection stays out until released.
+        putter = threading.Thread(target=lambda: held.append(backend.put(leaving[:1], [b"held"])))
+        putter.start()
+        deadline = time.monotonic() + 30
+        while writes.holding() < 1:
+            assert putter.is_alive() and time.monotonic() < deadline, held
+            time.sleep(0.005)
+        _hand_over_empty_slots(own_cluster, slots, source, target)  # none holds a key yet
+        # Reads are not paused: MOVED replies make this batch read the new map, without
+        # the source node, and close the source node's idle connections.
+        assert backend.exists(leaving[1:]) == [False] * 39
+        assert putter.is_alive()
+        assert _client_connections(own_cluster.nodes[source], settle=1) == 1  # the held one
+    finally:
+        writes.release()
+    putter.join(timeout=60)
+    assert held == [[True]]  # MOVED on release: stored where the slot went
+    assert own_cluster.nodes[target].command("GET", leaving[0]) == b"held"
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    buf = bytearray(4)
+    assert backend.get(leaving[:1], [buf]) == [True] and buf == b"held"
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    backend.close()
+
+
+def test_threads_get_right_answers_while_a_node_hands_all_its_slots_over(
+    own_cluster: RedisCluster,
+) -> None:
+    """MOVED, ASK and re-reads of the slot map, raced by batches from several threads.
+
+    The keys read are moved while threads read them (ASK, then MOVED); the keys written
+    stay on the other nodes, since a key created mid-migration on the leaving node would
+    not be in the MIGRATE list. Every answer must be right and no call may fail, and the
+    node that left ends with no connection from the backend.
+    """
+    backend = _open({**own_cluster.options, "timeout_s": 30.0})
+    source, target = 2, 1
+    slots = _slots_of(own_cluster, source)
+    moving = _keys_in(set(slots), 30, "moving")
+    staying_slots = set(range(16384)) - set(slots)
+    values = [_value(i, 3000 + 100 * i) for i in range(len(moving))]
+    assert backend.put(moving, values) == [True] * len(moving)
+    done = threading.Event()
+    problems: list[str] = []
+    rounds = [0] * 4
+    finish_at: dict[int, int] = {}  # each thread's last round: a few after the move
+
+    def work(t: int) -> None:
+        try:
+            r = 0
+            while not done.is_set() or r < finish_at.get(t, 0):
+                own = _keys_in(staying_slots, 12, f"stay/{t}/{r}")
+                own_values = [_value(t * 1000 + r * 12 + i, 2000 + i) for i in range(12)]
+                assert backend.put(own, own_values) == [True] * 12
+                batch = own + moving
+                expected = own_values + values
+                assert backend.exists(batch) == [True] * len(batch)
+                bufs = [bytearray(len(v)) for v in expected]
+                assert backend.get(batch, bufs, scratch=r % 2 == 0) == [True] * len(batch)
+                assert [bytes(b) for b in bufs] == expected, f"round {r}: a value crossed"
+                r += 1
+                rounds[t] = r
+        except BaseException as exc:
+            problems.append(f"thread {t}: {exc!r}\n{traceback.format_exc()}")
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for worker in workers:
+        worker.start()
+    try:
+        by_slot: dict[int, list[str]] = {}
+        for key in moving:
+            by_slot.setdefault(key_slot(key.encode()), []).append(key)
+        for slot, slot_keys in by_slot.items():
+            _begin_migration(own_cluster, slot, source, target)
+            _move_keys(own_cluster, source, target, slot_keys)
+        _hand_over_empty_slots(own_cluster, slots, source, target)
+        finish_at.update({t: r + 3 for t, r in enumerate(rounds)})
+    finally:
+        done.set()
+        for worker in workers:
+            worker.join(timeout=120)
+    assert not problems, problems
+    assert not any(w.is_alive() for w in workers)
+    assert own_cluster.nodes[source].command("DBSIZE") == 0
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    backend.close()
+
+
+def test_closing_a_cluster_backend_closes_its_connections_and_a_late_call_opens_none(
+    own_cluster: RedisCluster,
+) -> None:
+    """close() leaves no connection open, and a call already past the backend's closed
+    check when it ran must not build a new cluster client, which nothing would close.
+
+    (redis-py's ``RedisCluster.close`` leaves the node pools it was given open.)
+    """
+    backend: Any = _open(own_cluster.options)
+    assert backend.exists([f"close/{i}" for i in range(48)]) == [False] * 48  # every node
+    assert all(_client_connections(node) >= 1 for node in own_cluster.nodes)
+    client = backend._client  # where a call goes once past RedisBackend's check
+    backend.close()
+    with pytest.raises(BackendError, match="closed"):
+        client.exists(["late/call"])
+    assert client._cluster is None
+    assert [_client_connections(node, settle=0) for node in own_cluster.nodes] == [0, 0, 0]
 
 
 def test_cluster_mode_aimed_at_a_plain_server_is_a_configuration_error(

@@ -15,6 +15,12 @@ One concern per module:
 * :mod:`._failover` - reads from a live replica, puts rerouted off a dead segment;
 * :mod:`._codes` - Mooncake's result codes sorted into miss, failure and outage.
 
+Threads: one backend may be called from several threads at once
+(``Capabilities.thread_safe``): the client allows it and releases the GIL while it works;
+what the backend keeps besides (registered ranges, scratch areas, counters, the live
+segments and failed endpoints of fail-over) changes under locks never held across a
+call to the client; see :mod:`._session` and :mod:`._memory`.
+
 No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 ``MooncakeBackend.counters`` counts what each path did (``put_zero_copy``,
 ``put_scratch``, ``put_full``, ``put_rerouted``, ``get_zero_copy``, ``get_wrong_size``,
@@ -24,7 +30,6 @@ No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -32,6 +37,7 @@ from kvconn.backend import Backend, Capabilities, as_bytes_view
 from kvconn.errors import BackendDependencyMissing
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig, make_config
+from kvconn_mooncake._counters import Counters
 from kvconn_mooncake._session import Session
 from kvconn_mooncake._transfer import Transfers
 
@@ -44,7 +50,9 @@ class MooncakeBackend(Backend):
     name: ClassVar[str] = "mooncake"
     extra: ClassVar[str | None] = "mooncake"
     client_modules: ClassVar[tuple[str, ...]] = ("mooncake.store",)
-    capabilities: ClassVar[Capabilities] = Capabilities(buffer_registration=True, delete=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        buffer_registration=True, delete=True, thread_safe=True
+    )
 
     def __init__(
         self,
@@ -76,7 +84,7 @@ class MooncakeBackend(Backend):
         self.config: MooncakeConfig = make_config(options)
         #: What each path did, per key or call: lets tests and operators see that the
         #: zero-copy path is taken and why saves were dropped or loads failed.
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self._session = Session(mooncake_store, self.config, self.counters)
         self._transfers = Transfers(self._session, self.counters)
         self._session.start()

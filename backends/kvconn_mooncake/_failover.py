@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -209,6 +210,7 @@ class Failover:
         self._session = transfers.session
         self._counters = transfers.counters
         #: Segments puts landed on lately, and until when to trust that; see _live_segments.
+        #: Threads replace the pair whole and read it once, so they never mix two.
         self._live: tuple[list[str], float] = ([], 0.0)
 
     def read_described(
@@ -225,14 +227,14 @@ class Failover:
         for read in reads:
             found = stored.get(read.key)
             if found is None:
-                self._counters["get_miss"] += read.wanted
+                self._counters.add("get_miss", read.wanted)
             elif found.size != buffers[read.target].nbytes:
-                self._counters["get_wrong_size"] += read.wanted
+                self._counters.add("get_wrong_size", read.wanted)
             elif len(found.copies) > 1:
                 retry.append(replace(read, stored=found))
             else:
                 reader.mark_failed(c.endpoint for c in found.copies)
-                self._counters["get_failed"] += read.wanted
+                self._counters.add("get_failed", read.wanted)
         if retry:
             self.read_from_replicas(reader, retry, buffers, ok)
 
@@ -257,12 +259,15 @@ class Failover:
                         for r, d, address in zip(round_reads, described, addresses)
                     ]
                 )
+                landed: Counter[str] = Counter()
                 for n, (read, success) in enumerate(zip(round_reads, done)):
                     if success:
-                        transfers.finish(read, buffers, ok, area, round_.offsets[n], failover=True)
+                        landed[transfers.finish(read, buffers, ok, area, round_.offsets[n])] += 1
+                        landed["get_failover"] += 1
                     else:
-                        self._counters["get_failed"] += read.wanted
+                        landed["get_failed"] += read.wanted
                         log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
+                self._counters.merge(landed)
 
     def reroute_puts(
         self,
@@ -303,7 +308,7 @@ class Failover:
         results = list(results)
         for i, code in zip(retry, again):
             results[i] = code
-        self._counters["put_rerouted"] += sum(1 for code in again if code in codes.PRESENT)
+        self._counters.add("put_rerouted", sum(1 for code in again if code in codes.PRESENT))
         return results
 
     def _live_segments(self, store: Any, landed: list[str]) -> list[str]:
@@ -324,8 +329,10 @@ class Failover:
             live = sorted({c.endpoint for found in stored.values() for c in found.copies})
             if live:
                 self._live = (live, now + AVOID_S)
-        if not live and self._live[1] > now:
-            live = self._live[0]
+        if not live:
+            recent, until = self._live
+            if until > now:
+                live = recent
         reader = self._session.reader
         avoid = reader.failed_endpoints() if reader is not None else set()
         return [endpoint for endpoint in live if endpoint not in avoid]

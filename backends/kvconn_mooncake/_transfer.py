@@ -41,6 +41,7 @@ from typing import Any, cast
 
 from kvconn.errors import BackendError
 from kvconn_mooncake import _codes as codes
+from kvconn_mooncake._counters import Counters
 from kvconn_mooncake._failover import Copy, Failover, ReplicaReader, Stored
 from kvconn_mooncake._memory import Round
 from kvconn_mooncake._session import Session
@@ -76,7 +77,7 @@ def positions(keys: list[str]) -> dict[str, list[int]]:
 class Transfers:
     """The backend's operations over one :class:`Session`."""
 
-    def __init__(self, session: Session, counters: Counter[str]) -> None:
+    def __init__(self, session: Session, counters: Counters) -> None:
         self.session = session
         self.memory = session.memory
         self.counters = counters
@@ -115,8 +116,7 @@ class Transfers:
                             store, round_keys, addresses, sizes, results
                         )
                 copied = sum(1 for offset in round_.offsets if offset >= 0)
-                self.counters["put_zero_copy"] += len(batch) - copied
-                self.counters["put_scratch"] += copied
+                self.counters.merge({"put_zero_copy": len(batch) - copied, "put_scratch": copied})
                 for key, code in zip(round_keys, results):
                     ok = code in codes.PRESENT
                     stored[key] = ok
@@ -140,10 +140,11 @@ class Transfers:
             for key, places in groups.items():
                 found = stored.get(key)
                 if found is None:
-                    self.counters["get_miss"] += len(places)
+                    self.counters.add("get_miss", len(places))
                     continue
                 fitting = [i for i in places if buffers[i].nbytes == found.size]
-                self.counters["get_wrong_size"] += len(places) - len(fitting)
+                if len(fitting) < len(places):
+                    self.counters.add("get_wrong_size", len(places) - len(fitting))
                 if not fitting:
                     continue
                 pending = Pending(key, fitting[0], fitting[1:], found)
@@ -265,6 +266,7 @@ class Transfers:
     ) -> list[Pending]:
         """``batch_get_into``; returns the failed reads another replica could serve."""
         retry: list[Pending] = []
+        landed: Counter[str] = Counter()  # counted per key, added to the counters at once
         for round_, round_reads in self.rounds(reads, buffers):
             lengths = [buffers[r.target].nbytes for r in round_reads]
             with self.memory.addresses(round_) as (addresses, area):
@@ -274,9 +276,9 @@ class Transfers:
                 for n, (read, code) in enumerate(zip(round_reads, results)):
                     offset = round_.offsets[n]
                     if code == lengths[n]:
-                        self.finish(read, buffers, ok, area, offset)
+                        landed[self.finish(read, buffers, ok, area, offset)] += 1
                     elif code == codes.TRANSFER_FAIL and reader is not None:
-                        self.counters["get_transfer_failed"] += 1
+                        landed["get_transfer_failed"] += 1
                         # The chosen copy's process is gone but the master still lists
                         # it. With one copy, remember its endpoint so keys that also
                         # have a copy elsewhere skip it; with more (or not yet known),
@@ -289,9 +291,11 @@ class Transfers:
                     elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
                         # Sizes were not asked: the value is shorter than the buffer
                         # (its bytes are in the scratch buffer) or longer (-600, none).
-                        self.counters["get_wrong_size"] += read.wanted
+                        landed["get_wrong_size"] += read.wanted
                     else:
                         self._count_get_failure(read, code, lengths[n], offset >= 0)
+        # A call that raised counts nothing: its caller sees every key fail.
+        self.counters.merge(landed)
         return retry
 
     def finish(
@@ -301,22 +305,22 @@ class Transfers:
         ok: list[bool],
         area: memoryview | None,
         offset: int,
-        *,
-        failover: bool = False,
-    ) -> None:
-        """A read landed: copy it out of scratch if it went there, and to duplicates."""
+    ) -> str:
+        """A read landed: copy it out of scratch if it went there, and to duplicates.
+
+        Returns the counter of the path it took (``get_scratch`` or ``get_zero_copy``),
+        for the caller to count with the rest of its batch.
+        """
         target = buffers[read.target]
+        path = "get_zero_copy"
         if area is not None and offset >= 0:
             target[:] = area[offset : offset + target.nbytes]
-            self.counters["get_scratch"] += 1
-        else:
-            self.counters["get_zero_copy"] += 1
-        if failover:
-            self.counters["get_failover"] += 1
+            path = "get_scratch"
         ok[read.target] = True
         for other in read.duplicates:
             buffers[other][:] = target
             ok[other] = True
+        return path
 
     def _count_get_failure(
         self, read: Pending, code: int, expected: int, via_scratch: bool
@@ -325,13 +329,13 @@ class Transfers:
         before reading are."""
         key, wanted = read.key, read.wanted
         if code in codes.ABSENT:
-            self.counters["get_miss"] += wanted  # evicted or removed since the size query
+            self.counters.add("get_miss", wanted)  # evicted or removed since the size query
         elif code >= 0:
             # The value changed size between the size query and the read, which the
             # read lease forbids short of a forced remove and a new put under the same
             # key. Through scratch the caller's buffer is untouched; a registered one
             # may hold the first bytes of the new value: say so loudly.
-            self.counters["get_wrong_size"] += wanted
+            self.counters.add("get_wrong_size", wanted)
             level = logging.DEBUG if via_scratch else logging.ERROR
             log.log(
                 level,
@@ -341,12 +345,12 @@ class Transfers:
                 expected,
             )
         else:
-            self.counters["get_failed"] += wanted  # e.g. -800: its segment's process died
+            self.counters.add("get_failed", wanted)  # e.g. -800: its segment's process died
             log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
 
     def _count_put_failure(self, key: str, code: int) -> None:
         if code in codes.FULL:
-            self.counters["put_full"] += 1  # eviction lags a fast writer: a dropped save
+            self.counters.add("put_full")  # eviction lags a fast writer: a dropped save
         else:
-            self.counters["put_failed"] += 1
+            self.counters.add("put_failed")
             log.debug("kvconn: mooncake put of %r failed with %s", key, codes.describe(code))

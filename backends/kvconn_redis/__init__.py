@@ -24,6 +24,13 @@ What kvconn adds around it:
 * values sent from the caller's buffers without a join, and each fetched value copied
   once into the caller's buffer after its size was checked.
 
+Threads: one backend may be called from several threads at once
+(``Capabilities.thread_safe``). redis-py's clients and pools are made to be shared: each
+call takes its own pooled connection (waiting, within ``timeout_s``, when all are out)
+and builds its own pipeline, and the deadline is per thread. What kvconn keeps besides
+(the cluster client made at first use, the node table the last batch saw, pools of
+departed nodes) changes under small locks, never held across a round trip.
+
 Options (keyword arguments; ``load_backend("redis", {...})``):
 
 ``url``
@@ -77,7 +84,8 @@ class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     extra: ClassVar[str | None] = "redis"
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True)
+    #: thread_safe: see the module docstring (Threads).
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True, thread_safe=True)
 
     def __init__(
         self,

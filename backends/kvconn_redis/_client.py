@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, cast
 
@@ -34,7 +35,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvconn.errors import ConfigError
+from kvconn.errors import BackendError, ConfigError
 from kvconn_redis._config import RedisConfig
 from kvconn_redis._deadline import (
     DeadlineConnection,
@@ -351,26 +352,57 @@ class ClusterClient(_Commands):
     def __init__(self, config: RedisConfig) -> None:
         super().__init__(config)
         self._cluster: RedisCluster | None = None
-        self._lock = threading.Lock()
+        self._closed = False
+        self._lock = threading.Lock()  # making the client, and closing it
         self._pid = os.getpid()
+        #: Every node pool redis-py made for this client (it makes them through
+        #: _new_pool), redis-py's node table as a batch last saw it, and the pools no
+        #: table uses any more that still had a connection out; under _seen_lock.
+        self._pools: weakref.WeakSet[DeadlinePool] = weakref.WeakSet()
         self._nodes_seen: dict[str, Any] = {}
+        self._retired: set[DeadlinePool] = set()
+        self._seen_lock = threading.Lock()
+
+    def _new_pool(self, **kwargs: Any) -> DeadlinePool:
+        """redis-py's ``connection_pool_class``: every node pool, remembered (weakly)."""
+        pool = DeadlinePool(**kwargs)
+        with self._seen_lock:
+            self._pools.add(pool)
+        return pool
 
     def _after_batch(self) -> None:
-        """Close the idle connections of nodes that left the slot map.
+        """Close the connections of pools no node table uses any more, once idle.
 
         redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
         node failure) and just drops the nodes that left, whose pools keep their sockets
-        open until garbage collection gets to them.
+        open until garbage collection gets to them. With several threads, two things
+        make that worse: another thread's batch, routed by an older table, may still
+        have a connection to a departed node out when this one sees the new table, and
+        redis-py may install and replace a table between two batches' looks (a re-read
+        from a node that had not yet heard of a slot's move brings a node back, as a new
+        object with a new pool, until the next re-read drops it again). So each time
+        the table changed, every pool redis-py made for this client that the current
+        table does not use is retired, and every later batch closes what has come back
+        to a retired pool until nothing is out. The common case, nothing changed, takes
+        no lock.
         """
         cluster = self._cluster
-        nodes = cluster.nodes_manager.nodes_cache if cluster is not None else None
-        if nodes is None or nodes is self._nodes_seen:
+        if cluster is None:
             return
-        departed = [n for name, n in self._nodes_seen.items() if name not in nodes]
-        self._nodes_seen = nodes
-        for node in departed:
-            if node.redis_connection is not None:
-                node.redis_connection.connection_pool.disconnect(inuse_connections=False)
+        manager = cluster.nodes_manager
+        if manager.nodes_cache is self._nodes_seen and not self._retired:
+            return
+        with self._seen_lock:
+            nodes = manager.nodes_cache
+            if nodes is not self._nodes_seen:
+                self._nodes_seen = nodes
+                used = {
+                    id(node.redis_connection.connection_pool)
+                    for node in list(nodes.values())  # a copy at once: redis-py may add
+                    if node.redis_connection is not None
+                }
+                self._retired.update(pool for pool in self._pools if id(pool) not in used)
+            self._retired = {pool for pool in self._retired if pool.close_idle()}
 
     def _make(self) -> RedisCluster:
         config = self.config
@@ -381,7 +413,7 @@ class ClusterClient(_Commands):
             # connection_pool_class and connection_class: the deadline-aware ones.
             url=f"redis://{shown}:{port}",
             startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            connection_pool_class=DeadlinePool,
+            connection_pool_class=self._new_pool,
             connection_class=_connection_class(config),
             # Redirections are followed regardless; a failed node is not retried
             # within a call (the deadline would end it anyway), only at the next call.
@@ -396,6 +428,10 @@ class ClusterClient(_Commands):
         if os.getpid() != self._pid:  # a parent thread may have held the lock at fork
             self._lock, self._pid = threading.Lock(), os.getpid()
         with self._lock:
+            # A call that passed the backend's closed check as close() ran must not make
+            # a new client: nothing would ever close it.
+            if self._closed:
+                raise BackendError(f"redis at {self.config.where}: the backend is closed")
             if self._cluster is None:
                 self._cluster = self._make()
             return self._cluster
@@ -436,9 +472,15 @@ class ClusterClient(_Commands):
             yield from _scan(self, cluster.get_redis_connection(node), prefix, seen)
 
     def close(self) -> None:
-        cluster, self._cluster = self._cluster, None
+        with self._lock:
+            self._closed = True
+            cluster, self._cluster = self._cluster, None
         if cluster is not None:
-            cluster.close()
+            cluster.close()  # closes the pools of the nodes in its table only
+        with self._seen_lock:
+            pools, self._retired = list(self._pools), set()
+        for pool in pools:
+            pool.disconnect()
 
 
 def make_client(config: RedisConfig) -> ServerClient | ClusterClient:

@@ -20,6 +20,7 @@ picklable values: the multi-process test opens the backend again in child proces
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +40,25 @@ class ServerControl(Protocol):
     def stop(self) -> None: ...
 
     def start(self) -> None: ...
+
+
+class WriteStall(Protocol):
+    """Makes the real store hold the puts it receives, while it still answers ``exists``.
+
+    For the thread-safety tests: a put the store holds is a call in flight whose end the
+    test decides, so whether other threads' calls are answered meanwhile is an ordering
+    the test observes, not a duration it measures. (Redis: ``CLIENT PAUSE … WRITE``;
+    Mooncake: its storage processes stopped, the master still answering.)
+    """
+
+    def hold(self) -> None:
+        """From now on, hold every put that arrives."""
+
+    def holding(self) -> int:
+        """How many puts (requests, or keys) the store has received and is holding now."""
+
+    def release(self) -> None:
+        """Let every held put finish, and hold no more."""
 
 
 def _value(seed: int, size: int) -> bytes:
@@ -441,6 +461,167 @@ class BackendTests:
             f"{prefix}/own/{p}/{i}" for p in range(self.concurrent_processes) for i in range(rounds)
         ]
         assert all(backend.exists(own))
+
+    # ------------------------------------------------------------ threads
+    #: Threads of the thread-safety test; each mixes exists, put, get and delete.
+    concurrent_threads: ClassVar[int] = 6
+    #: Options added to ``backend_options`` for the held-call test (say, a ``timeout_s``
+    #: longer than a loaded machine may take to observe the held put); none: the
+    #: ``backend`` fixture's backend.
+    held_call_options: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture
+    def write_stall(self) -> WriteStall:
+        pytest.skip("no way to hold this store's puts (the write_stall fixture)")
+
+    def test_threads_sharing_one_backend_each_get_exactly_their_answers(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        """Interleaved batches from several threads: nothing lost, crossed or raised.
+
+        Each round a thread writes keys of its own (sizes on both sides of 64 KiB, which
+        some stores send differently), checks them, reads its neighbour's keys of the
+        round before (a value of the wrong size must still fail), deletes some of its
+        older keys, and puts its own value under keys every thread puts: first writer
+        wins, so every thread must read the one value that won. A put another writer had
+        in flight may leave the key reading as a miss for a moment, never as torn bytes.
+        """
+        if not backend.capabilities.thread_safe:
+            pytest.skip("backend does not declare thread_safe")
+        threads, rounds, own = self.concurrent_threads, 6, 5
+        can_delete = backend.capabilities.delete
+        shared_size = 5000
+        barrier = threading.Barrier(threads)
+        problems: list[str] = []
+        seen: dict[str, set[bytes]] = {}
+        seen_lock = threading.Lock()
+
+        def key(t: int, r: int, i: int) -> str:
+            return f"{prefix}/own/{t}/{r}/{i}"
+
+        def value(t: int, r: int, i: int) -> bytes:
+            size = (1, 97, 4096, 65536 + 11, 70_000)[i % 5] + t  # a crossed value misfits
+            return _value(t * 10_000 + r * 100 + i, size)
+
+        def shared(r: int) -> list[str]:
+            return [f"{prefix}/shared/{r}/{j}" for j in range(2)]
+
+        def candidates(k: str) -> set[bytes]:
+            r, j = (int(part) for part in k.rsplit("/", 2)[1:])
+            return {_value(1_000_000 + t * 100 + r * 10 + j, shared_size) for t in range(threads)}
+
+        def work(t: int) -> None:
+            for r in range(rounds):
+                mine = [key(t, r, i) for i in range(own)]
+                common = shared(r)
+                values = [value(t, r, i) for i in range(own)]
+                offers = [_value(1_000_000 + t * 100 + r * 10 + j, shared_size) for j in range(2)]
+                assert backend.exists(mine) == [False] * own, "a key no one wrote is present"
+                assert backend.put(mine + common, values + offers) == [True] * (own + 2)
+                assert backend.exists(mine) == [True] * own
+                bufs = [bytearray(len(v)) for v in values]
+                assert backend.get(mine, bufs) == [True] * own
+                assert [bytes(b) for b in bufs] == values, "a value came back crossed or torn"
+                common_bufs = [bytearray(shared_size) for _ in common]
+                for k, ok, buf in zip(common, backend.get(common, common_bufs), common_bufs):
+                    if ok:  # a miss while the winner's put is in flight is allowed
+                        assert bytes(buf) in candidates(k), "a shared value is torn"
+                        with seen_lock:
+                            seen.setdefault(k, set()).add(bytes(buf))
+                if r > 0:  # the neighbour's keys of the last round: all stored by now
+                    n = (t + 1) % threads
+                    theirs = [key(n, r - 1, i) for i in range(own)]
+                    expected = [value(n, r - 1, i) for i in range(own)]
+                    misfit = bytearray(len(expected[0]) + 1)  # one key, a wrong size too
+                    bufs = [bytearray(len(v)) for v in expected] + [misfit]
+                    got = backend.get(theirs + theirs[:1], bufs, scratch=True)
+                    assert got == [True] * own + [False], f"a neighbour's keys read {got}"
+                    assert [bytes(b) for b in bufs[:own]] == expected
+                if can_delete and r > 1:  # nobody reads the round before last any more
+                    old = [key(t, r - 2, i) for i in range(0, own, 2)]
+                    assert backend.delete(old) == [True] * len(old)
+                    assert backend.exists(old + mine[:1]) == [False] * len(old) + [True]
+                barrier.wait(timeout=120)
+
+        def run(t: int) -> None:
+            try:
+                work(t)
+            except threading.BrokenBarrierError:
+                pass  # another thread failed and said why
+            except BaseException as exc:
+                problems.append(f"thread {t}: {exc!r}")
+                barrier.abort()
+
+        workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert not any(w.is_alive() for w in workers), "a thread hung"
+        assert not problems, problems
+        # Every put has finished: each shared key reads as the one value that won, and
+        # every thread that read it earlier saw that same value.
+        for r in range(rounds):
+            common = shared(r)
+            bufs = [bytearray(shared_size) for _ in common]
+            assert backend.get(common, bufs) == [True, True]
+            for k, buf in zip(common, bufs):
+                assert bytes(buf) in candidates(k)
+                assert seen.get(k, {bytes(buf)}) == {bytes(buf)}, f"threads disagree on {k}"
+
+    def test_puts_the_store_holds_do_not_hold_up_calls_from_other_threads(
+        self,
+        backend: Backend,
+        backend_options: dict[str, Any],
+        write_stall: WriteStall,
+        prefix: str,
+    ) -> None:
+        """Calls overlap: two puts the store holds are both in flight, and exists answers.
+
+        Judged by order, not by time: the store holds each put until the test releases
+        it, so a backend that serialized its calls (one lock around the round trip)
+        would never have the second put reach the store, nor answer the exists, until
+        then. Only after both happened are the puts let go, and both must succeed.
+        """
+        if not backend.capabilities.thread_safe:
+            pytest.skip("backend does not declare thread_safe")
+        store = backend
+        if self.held_call_options:
+            store = self.open_backend({**backend_options, **self.held_call_options})
+        present = f"{prefix}/present"
+        held = [f"{prefix}/held/{i}" for i in range(2)]
+        assert store.put([present], [b"here"]) == [True]
+        outcome: dict[str, object] = {}
+
+        def put(k: str) -> None:
+            try:
+                outcome[k] = store.put([k], [_value(len(k), 4096)])
+            except BaseException as exc:
+                outcome[k] = exc
+
+        write_stall.hold()
+        workers = [threading.Thread(target=put, args=(k,)) for k in held]
+        try:
+            for worker in workers:
+                worker.start()
+            deadline = time.monotonic() + 30
+            while write_stall.holding() < len(held):
+                assert not outcome, f"a put ended while the store held puts: {outcome}"
+                assert time.monotonic() < deadline, (
+                    f"the store held {write_stall.holding()} of {len(held)} puts: "
+                    "a call in flight kept the other from starting"
+                )
+                time.sleep(0.005)
+            assert store.exists([present, *held]) == [True, False, False]
+            assert not outcome, f"a put ended before the store let it: {outcome}"
+        finally:
+            write_stall.release()
+            for worker in workers:
+                worker.join(timeout=60)
+            if store is not backend:
+                store.close()
+        assert outcome == {k: [True] for k in held}
+        assert backend.exists(held) == [True, True]
 
     # ------------------------------------------------------------ server down
     def test_an_unreachable_store_raises_a_backend_error_not_a_miss(
