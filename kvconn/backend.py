@@ -155,9 +155,19 @@ class Backend(ABC):
         return self._checked_result(self._delete(keys), len(keys), "delete") if keys else []
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
-        """Yield ``(key, value size)`` of stored keys starting with ``prefix``."""
+        """Yield ``(key, value size)`` of stored keys starting with ``prefix``.
+
+        A prefix outside the key alphabet (non-ASCII, a space, a control character)
+        lists nothing, since no key can start with it; without this check each store
+        failed on it in its own way (Redis with a ``UnicodeEncodeError``).
+        :func:`kvconn.keys.spell_prefix` turns typed text into the spelling keys use.
+        """
         if not self.capabilities.listing:
             raise NotImplementedError(f"the {self.name!r} backend cannot list keys")
+        if not isinstance(prefix, str):
+            raise InvalidKeyError(f"a key prefix must be str, got {type(prefix).__name__}")
+        if prefix and not _keys_look_valid([prefix], self.max_key_length):
+            return iter(())
         return self._list(prefix)
 
     def register_buffer(self, buffer: memoryview) -> None:

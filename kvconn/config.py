@@ -65,7 +65,7 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
-            object.__setattr__(self, name, _utf8_text(getattr(self, name), name))
+            object.__setattr__(self, name, typed_text(getattr(self, name), name))
             key_part(getattr(self, name), name)
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must be a non-empty name, got {self.backend!r}")
@@ -76,7 +76,10 @@ class ConnectorConfig:
             )
         object.__setattr__(self, "writer_policy", WriterPolicy.parse(self.writer_policy))
         if isinstance(self.staging_bytes, str):  # "256MiB", from a file or the environment
-            size = parse_size(self.staging_bytes)
+            try:
+                size = parse_size(self.staging_bytes)
+            except ConfigError as exc:
+                raise ConfigError(f"staging_bytes: {exc}") from None
             if size is None:
                 raise ConfigError(
                     f"staging_bytes must be a size like 268435456 or '256MiB', "
@@ -177,7 +180,7 @@ class ConnectorConfig:
         return replace(self, options={**self.options, **options})
 
 
-def _utf8_text(value: object, what: str) -> object:
+def typed_text(value: object, what: str) -> object:
     """``value`` with surrogate escapes turned back into the UTF-8 text that was typed.
 
     Under a C locale, argv and the environment arrive with non-ASCII bytes as surrogate
@@ -258,14 +261,21 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int | None:
-    """``"268435456"``, ``"256MiB"``, ``"256mb"``, ``"1g"`` → bytes, or ``None``.
+    """``"268435456"``, ``"256MiB"``, ``"1.5GiB"``, ``"1g"`` → bytes, or ``None``.
 
     Units are binary whatever the spelling, as Mooncake reads them (``"4gb"`` is 4 GiB),
     so a size copied from a Mooncake config keeps its value. Exact for any length of
-    digits (no float overflow); the caller bounds the result.
+    digits (no float overflow); the caller bounds the result. A size that comes to a
+    fraction of a byte (``"1.5"``, ``"0.3KiB"``) is a :class:`ConfigError`: rounding it
+    silently would turn ``"1.5"``, likely meant as GiB, into one byte.
     """
     match = _SIZE.match(text)
     if match is None:
         return None
     number, unit = Decimal(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+    size = number * 1024 ** "_kmgt".index(unit) if unit else number
+    if size != size.to_integral_value():
+        raise ConfigError(
+            f"{text.strip()!r} is {size.normalize():f} bytes, not a whole number of bytes"
+        )
+    return int(size)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvconn.errors import ConfigError, KvconnError
+from kvconn.errors import ConfigError, KvconnError, LayoutError
 from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
 from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
 from kvconn.integrity import PageChecksum
 from kvconn.keys import page_key, shard_component
-from kvconn.layout import KvLayout, Region, shard_position
+from kvconn.layout import KvLayout, Region, Role, shard_position
 
 
 class WriterPolicy(str, Enum):
@@ -216,10 +216,12 @@ class PageManifest:
             spec = roles_doc[name]
             if not isinstance(spec, dict) or set(spec) != _ROLE_FIELDS:
                 raise ManifestError(f"role {name!r} must have exactly {sorted(_ROLE_FIELDS)}")
-            dtype = spec["dtype"]
-            if not isinstance(dtype, str) or not dtype:
-                raise ManifestError(f"role {name!r}: dtype must be a non-empty string")
-            roles.append((name, _json_int(spec["units"], f"{name}.units", minimum=1), dtype))
+            units = _json_int(spec["units"], f"{name}.units", minimum=1)
+            try:  # what a layout could not declare, no manifest may claim (tools print it)
+                role = Role(name, units, spec["dtype"])
+            except LayoutError as exc:
+                raise ManifestError(str(exc)) from None
+            roles.append((role.name, role.units, role.dtype))
         checksum = doc["checksum"]
         if not isinstance(checksum, str) or checksum not in CHECKSUM_SCHEMES:
             raise ManifestError(

@@ -47,6 +47,38 @@ def test_bad_values_name_the_field(field, value, message):
         ConnectorConfig.from_dict({"model": "m", field: value})
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("1.5", r"staging_bytes: '1.5' is 1.5 bytes, not a whole number of bytes"),
+        ("0.3KiB", r"'0.3KiB' is 307.2 bytes, not a whole number"),
+        ("1.0000000001GiB", "not a whole number of bytes"),
+    ],
+)
+def test_a_size_that_is_a_fraction_of_a_byte_is_refused_not_rounded(given, message):
+    """Issue 15: ``"1.5"`` was accepted as 1 byte."""
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_dict({"model": "m", "staging_bytes": given})
+
+
+@pytest.mark.parametrize(
+    ("given", "size"), [("1.5GiB", 3 * 2**29), ("0.5KiB", 512), ("2.0", 2), ("256MiB", 2**28)]
+)
+def test_a_size_with_a_fraction_that_comes_to_whole_bytes_is_accepted(given, size):
+    assert ConnectorConfig.from_dict({"model": "m", "staging_bytes": given}).staging_bytes == size
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model", "m\x00"), ("model", "org/model\nrev"), ("namespace", "ns\t"), ("model", "m\u00a0")],
+)
+def test_names_that_become_keys_refuse_control_and_invisible_characters(field, value):
+    """Escaped, they made keys (``m%00``) that no correctly configured process computes."""
+    config = {"model": "m", field: value}
+    with pytest.raises(ConfigError, match=f"{field} .* contains the control or invisible"):
+        ConnectorConfig.from_dict(config)
+
+
 def test_a_config_is_read_from_toml(tmp_path):
     path = tmp_path / "kvconn.toml"
     path.write_text(
