@@ -176,6 +176,18 @@ class Backend(ABC):
     def unregister_buffer(self, buffer: memoryview) -> None:
         """Undo :meth:`register_buffer` before the buffer's memory is freed."""
 
+    def check_access(self, key_prefix: str) -> None:
+        """Raise :class:`~kvconn.errors.ConfigError` if keys under ``key_prefix`` are off limits.
+
+        Called once at start-up with what every key of the caller starts with (a
+        connector's ``{namespace}/{model}/``, :func:`kvconn.keys.key_prefix`). A store
+        that confines a user to some keys (Redis ACL key patterns) can tell only then
+        whether kvconn's are among them; otherwise each call would be refused, served
+        as a miss and logged, for as long as the deployment runs. Note for implementers:
+        a store it cannot reach now is no error here (it may come up later). The default
+        has nothing to check.
+        """
+
     def close(self) -> None:
         """Release connections and handles; the backend is unusable afterwards."""
 

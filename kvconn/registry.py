@@ -122,11 +122,17 @@ def accepted_options(cls: type[Backend]) -> tuple[list[str], bool]:
     return accepted, takes_any
 
 
-def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend:
+def load_backend(
+    name: str, options: Mapping[str, Any] | None = None, *, key_prefix: str | None = None
+) -> Backend:
     """Instantiate backend ``name`` with ``options`` as keyword arguments.
 
     Options are checked against the constructor's signature first, so a typo fails with
-    the list of accepted options instead of a bare ``TypeError``.
+    the list of accepted options instead of a bare ``TypeError``. With ``key_prefix``
+    (what every key the caller makes starts with: ``kvconn.keys.key_prefix(namespace,
+    model)``) the new backend is asked whether those keys are off limits
+    (:meth:`Backend.check_access`), so a user a store confines to other keys is refused
+    now, not on every call.
     """
     cls = backend_class(name)
     options = check_options(options if options is not None else {}, f"backend {name!r}: options")
@@ -141,7 +147,7 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
             f"accepted: {', '.join(accepted) or 'none'}"
         )
     try:
-        return cls(**options)
+        backend = cls(**options)
     except KvconnError:
         raise  # the backend's own message, which names the option
     except (TypeError, ValueError, OverflowError) as exc:
@@ -150,3 +156,10 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
         raise ConfigError(
             f"backend {name!r}: bad options ({type(exc).__name__}): {redact_url(str(exc))}"
         ) from None
+    if key_prefix is not None:
+        try:
+            backend.check_access(key_prefix)
+        except BaseException:
+            backend.close()
+            raise
+    return backend

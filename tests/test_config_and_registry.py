@@ -282,6 +282,38 @@ def test_a_backend_constructor_error_is_a_config_error_with_secrets_masked(monke
         load_backend("picky", 5)  # type: ignore[arg-type]
 
 
+class _Confined(_StubBackend):
+    """A store whose user may only touch keys under ``allowed``."""
+
+    instances: list["_Confined"] = []
+
+    def __init__(self, allowed: str = "") -> None:
+        self.allowed = allowed
+        self.closed = False
+        _Confined.instances.append(self)
+
+    def check_access(self, key_prefix: str) -> None:
+        if not key_prefix.startswith(self.allowed):
+            raise ConfigError(f"keys under {key_prefix!r} are off limits")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_load_backend_given_the_key_prefix_refuses_a_store_that_forbids_it_and_closes_it(
+    monkeypatch,
+):
+    monkeypatch.setattr("kvconn.registry.backend_class", lambda name: _Confined)
+    with pytest.raises(ConfigError, match="keys under 'kvconn/m/' are off limits"):
+        load_backend("confined", {"allowed": "other/"}, key_prefix="kvconn/m/")
+    assert _Confined.instances[-1].closed  # no connection left open behind the error
+    load_backend("confined", {"allowed": "other/"}, key_prefix="other/m/")
+    assert not _Confined.instances[-1].closed
+    # without the prefix nothing is asked: the caller did not say which keys it uses
+    load_backend("confined", {"allowed": "other/"})
+    assert not _Confined.instances[-1].closed
+
+
 def test_names_read_under_a_c_locale_make_the_keys_a_utf_8_locale_makes():
     escaped = "caf\u00e9".encode().decode("ascii", "surrogateescape")
     config = ConnectorConfig(model=escaped, namespace=escaped)

@@ -25,6 +25,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
+from kvconn.keys import key_prefix
 from kvconn.plan import lookup_keys
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
@@ -219,8 +220,12 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     layout = settings.preset.layout(settings.tp_size, settings.layers, num_slots, tpb)
     prompt_tokens = sum(len(r.tokens) for r in requests)
     check_memory(estimate(pool_sizes=layout.pool_sizes, prompt_tokens=prompt_tokens), available)
-    backend = timed(load_backend(settings.config.backend, settings.config.options))
-    coordinator = Connector(settings.config, layout, rank=0, backend=backend)
+    config = settings.config
+    # Asked once, here, before any rank starts: keys of this namespace and model must be
+    # the user's to write (a Redis ACL user may be confined to other keys).
+    prefix = key_prefix(config.namespace, config.model)
+    backend = timed(load_backend(config.backend, config.options, key_prefix=prefix))
+    coordinator = Connector(config, layout, rank=0, backend=backend)
     try:
         if settings.evict_rate > 0 and not backend.capabilities.delete:
             raise ConfigError(
