@@ -21,17 +21,19 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, TextIO
 
+from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import ConfigError, KvconnError
+from kvconn.errors import BackendError, ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.keys import key_prefix
 from kvconn.plan import lookup_keys
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
+from kvconn.tools.inspect_store import footprint
 from kvconn.tools.models import Preset
 from kvconn.tools.simulate.budget import available_memory, check_memory, estimate_memory
-from kvconn.tools.simulate.report import build_report
+from kvconn.tools.simulate.report import StoreHolding, build_report
 from kvconn.tools.simulate.timing import TimedBackend, describe_location, timed
 from kvconn.tools.simulate.worker import RankSpec, rank_main
 from kvconn.tools.simulate.workload import Request, WorkloadSpec, generate
@@ -253,6 +255,7 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
             results = group.gather("result")
         finally:
             group.stop()
+        held = store_holding(backend, coordinator.prefix)
     finally:
         coordinator.close()
     return build_report(
@@ -260,11 +263,32 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
         layout=layout,
         location=location,
         coordinator=coord,
+        held=held,
         ranks=results,
         wall_s=time.perf_counter() - wall_start,
         startup_s=replay_start - wall_start,
         replay_s=replay_s,
         num_slots=num_slots,
+    )
+
+
+def store_holding(backend: Backend, prefix: str) -> StoreHolding | None:
+    """What the store holds under ``prefix`` (this namespace and model), all runs together.
+
+    A rerun of the same workload writes nothing, so what *this run* stored is 0 bytes;
+    next to it the report shows what is there for the model, which is what the rerun
+    hits. ``None`` when the backend cannot list its keys, or the listing failed.
+    """
+    if not backend.capabilities.listing:
+        return None
+    try:
+        fp = footprint(backend.list_keys(prefix))
+    except BackendError:
+        return None
+    return StoreHolding(
+        prefix=prefix,
+        pages=sum(row.pages for row in fp.rows.values()),
+        bytes=sum(row.bytes for row in fp.rows.values()),
     )
 
 
