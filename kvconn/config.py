@@ -10,7 +10,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from pathlib import Path
@@ -119,12 +119,9 @@ class ConnectorConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"a configuration must be a table/dict, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - names)
+        unknown = set(data) - names
         if unknown:
-            raise ConfigError(
-                f"unknown configuration key(s): {', '.join(unknown)}; "
-                f"known keys: {', '.join(sorted(names))}"
-            )
+            raise unknown_names("configuration key", unknown, names)
         if "model" not in data:
             raise ConfigError("configuration needs 'model' (the weights/quantization revision)")
         return cls(**data)
@@ -157,6 +154,7 @@ class ConnectorConfig:
             data["options"] = options
         data["options"].update(env_options(env))
         names = {f.name for f in fields(cls)} - {"options"}
+        unknown = []
         for var, raw in env.items():
             if (
                 not var.startswith(ENV_PREFIX)
@@ -166,18 +164,46 @@ class ConnectorConfig:
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
-                raise ConfigError(
-                    f"unknown environment variable {var}; known: "
-                    + ", ".join(sorted(ENV_PREFIX + n.upper() for n in names))
-                    + f", {ENV_OPTION_PREFIX}<NAME>, {ENV_CONFIG_FILE}"
-                )
+                unknown.append(var)
+                continue
             data[name] = (
                 parse_literal(raw) if name in ("staging_bytes", "retry_interval_s") else raw
+            )
+        if unknown:
+            known = [ENV_PREFIX + n.upper() for n in names]
+            raise unknown_names(
+                "environment variable",
+                unknown,
+                [*known, f"{ENV_OPTION_PREFIX}<NAME>", ENV_CONFIG_FILE],
             )
         return cls.from_dict(data)
 
     def with_options(self, **options: Any) -> ConnectorConfig:
         return replace(self, options={**self.options, **options})
+
+
+def unknown_names(
+    kind: str,
+    unknown: Iterable[object],
+    known: Iterable[object],
+    *,
+    where: str = "",
+    note: str = "",
+) -> ConfigError:
+    """The one wording of "this names something nobody reads", and what is read instead.
+
+    ``unknown configuration key(s): writer_polcy; known: backend, checksum, …`` — the
+    same whether the name came from a dict, a file, the environment or an engine's
+    settings, so that a reader (or a log search) recognises it anywhere. ``where``
+    prefixes the source (a file path), ``note`` follows in parentheses.
+    """
+    text = (
+        f"unknown {kind}(s): {', '.join(sorted(map(str, unknown)))}; "
+        f"known: {', '.join(sorted(map(str, known))) or 'none'}"
+    )
+    if note:
+        text += f" ({note})"
+    return ConfigError(f"{where}: {text}" if where else text)
 
 
 def typed_text(value: object, what: str) -> object:

@@ -13,7 +13,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from kvconn.backend import Backend
-from kvconn.config import check_options
+from kvconn.config import check_options, unknown_names
 from kvconn.errors import BackendDependencyMissing, BackendNotFound, ConfigError, KvconnError
 from kvconn.redaction import redact_url
 
@@ -142,10 +142,7 @@ def load_backend(
     accepted, takes_any = accepted_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown and not takes_any:
-        raise ConfigError(
-            f"backend {name!r}: unknown option(s) {', '.join(unknown)}; "
-            f"accepted: {', '.join(accepted) or 'none'}"
-        )
+        raise unknown_names("option", unknown, accepted, where=f"backend {name!r}")
     try:
         backend = cls(**options)
     except KvconnError:

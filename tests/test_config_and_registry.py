@@ -110,7 +110,7 @@ def test_environment_variables_overlay_the_file_and_set_backend_options(tmp_path
 
 
 def test_an_unknown_kvconn_environment_variable_is_an_error():
-    with pytest.raises(ConfigError, match="unknown environment variable KVCONN_MODLE"):
+    with pytest.raises(ConfigError, match=r"unknown environment variable\(s\): KVCONN_MODLE"):
         ConnectorConfig.from_env({"KVCONN_MODLE": "m"})
 
 

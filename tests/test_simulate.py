@@ -314,7 +314,7 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["--layers", "100"], "has 60 layers; --layers must be between 1 and 60"),
         (["--model", "qwen3-235b-a22b", "--tp", "3"], "cannot run at TP=3: role 'k' has 4 units"),
         (["--option", "map_size"], "--option expects KEY=VALUE"),
-        (["--option", "mapsize=1"], "unknown option(s) mapsize; accepted: path, map_size"),
+        (["--option", "mapsize=1"], "unknown option(s): mapsize; known: map_size, max_map_size"),
         (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
         (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
         # absurd sizes (issue 11): refused before any rank process starts

@@ -91,7 +91,7 @@ class KvconnWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
         self.rank, self.tp_size = _tp(llm_args)
-        self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
+        self.settings = TrtllmSettings.load(llm_args)
         self.connector: Connector | None = None
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -165,7 +165,7 @@ class KvconnScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         _, self.tp_size = _tp(llm_args)
         self.tokens_per_block = _tokens_per_block(llm_args)
-        self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
+        self.settings = TrtllmSettings.load(llm_args)
         self._lookup: Connector | None = None
         self._requests: dict[int, _Request] = {}
 
