@@ -34,6 +34,9 @@ ENV_CONFIG_FILE = "KVCONN_CONFIG"
 #: Variables of kvconn's development tools and test harness (``KVCONN_DEV_*``): never a
 #: connector setting, so ``from_env`` leaves them alone instead of calling them typos.
 ENV_TOOL_PREFIX = "KVCONN_DEV_"
+#: The same, named before that prefix existed: scripts/test.sh reads it, and the suite it
+#: runs (the TensorRT-LLM stand-in's ranks) configures connectors from the environment.
+ENV_TOOL_VARIABLES = frozenset({"KVCONN_SKIP_ENGINES"})
 
 #: Upper bounds that only a typo reaches (``"99999999T"``, ``1e300``): refused with a
 #: message at start-up instead of an allocation failure or a back-off that never ends.
@@ -159,6 +162,7 @@ class ConnectorConfig:
             if (
                 not var.startswith(ENV_PREFIX)
                 or var == ENV_CONFIG_FILE
+                or var in ENV_TOOL_VARIABLES
                 or var.startswith((ENV_TOOL_PREFIX, ENV_OPTION_PREFIX))  # options: above
             ):
                 continue
