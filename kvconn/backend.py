@@ -241,9 +241,19 @@ class Backend(ABC):
         return self._checked_result(self._delete(keys), len(keys), "delete") if keys else []
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
-        """Yield ``(key, value size)`` of stored keys starting with ``prefix``."""
+        """Yield ``(key, value size)`` of stored keys starting with ``prefix``.
+
+        A prefix outside the key alphabet (non-ASCII, a space, a control character)
+        lists nothing, since no key can start with it; without this check each store
+        failed on it in its own way (Redis with a ``UnicodeEncodeError``).
+        :func:`kvconn.keys.spell_prefix` turns typed text into the spelling keys use.
+        """
         if not self.capabilities.listing:
             raise NotImplementedError(f"the {self.name!r} backend cannot list keys")
+        if not isinstance(prefix, str):
+            raise InvalidKeyError(f"a key prefix must be str, got {type(prefix).__name__}")
+        if prefix and not _keys_look_valid([prefix], self.max_key_length):
+            return iter(())
         return self._list(prefix)
 
     def register_buffer(self, buffer: memoryview) -> None:
@@ -251,6 +261,18 @@ class Backend(ABC):
 
     def unregister_buffer(self, buffer: memoryview) -> None:
         """Undo :meth:`register_buffer` before the buffer's memory is freed."""
+
+    def check_access(self, key_prefix: str) -> None:
+        """Raise :class:`~kvconn.errors.ConfigError` if keys under ``key_prefix`` are off limits.
+
+        Called once at start-up with what every key of the caller starts with (a
+        connector's ``{namespace}/{model}/``, :func:`kvconn.keys.key_prefix`). A store
+        that confines a user to some keys (Redis ACL key patterns) can tell only then
+        whether kvconn's are among them; otherwise each call would be refused, served
+        as a miss and logged, for as long as the deployment runs. Note for implementers:
+        a store it cannot reach now is no error here (it may come up later). The default
+        has nothing to check.
+        """
 
     def close(self) -> None:
         """Release connections and handles; the backend is unusable afterwards."""

@@ -123,10 +123,12 @@ class Connector:
         self.shares: tuple[RankShare, ...] = self.keys.shares(rank)  # validates the rank
         self.prefix = self.keys.prefix
         self.stats = ConnectorStats()
+        # Asked once whether this connector's keys are off limits (a Redis ACL user
+        # confined to other keys): a start-up error, not a miss on every call.
         self.backend = (
             backend
             if backend is not None
-            else load_backend(self.config.backend, self.config.options)
+            else load_backend(self.config.backend, self.config.options, key_prefix=self.prefix)
         )
         self.calls = BackendCalls(
             self.backend,

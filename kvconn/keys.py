@@ -41,6 +41,20 @@ def shard_component(num_shards: int | None, shard_index: int = 0) -> str:
     return f"w{num_shards}r{shard_index}"
 
 
+#: Characters of a name that stay as they are in a key; every other one is %-escaped.
+_NAME_SAFE = "-_.~:@+="
+
+
+def unprintable(text: str) -> str | None:
+    """The first control or invisible character of ``text`` (NUL, newline, U+00A0 …), or None.
+
+    Such a character in a name is a mistake (a C string's terminator, a pasted line
+    break) that would otherwise become a key nobody else computes, or a label that
+    breaks the line of a log or a report.
+    """
+    return next((c for c in text if not c.isprintable()), None)
+
+
 def key_part(text: str, what: str) -> str:
     """Escape a user-supplied name so it stays one path segment of ASCII.
 
@@ -49,7 +63,24 @@ def key_part(text: str, what: str) -> str:
     """
     if not isinstance(text, str) or not text:
         raise ConfigError(f"{what} must be a non-empty string, got {text!r}")
-    return quote(text, safe="-_.~:@+=")
+    bad = unprintable(text)
+    if bad is not None:
+        raise ConfigError(
+            f"{what} {text!r:.80} contains the control or invisible character "
+            f"{bad!r} (U+{ord(bad):04X}); names must be printable text"
+        )
+    return quote(text, safe=_NAME_SAFE)
+
+
+def spell_prefix(text: str) -> str:
+    """A key prefix typed by a person, spelt the way keys spell names.
+
+    ``--prefix kvconn/modèle`` must find the keys of model ``modèle``, which are
+    ``kvconn/mod%C3%A8le/…``: every character :func:`key_part` escapes is escaped the
+    same way here, except ``/`` (it separates the parts) and ``%`` (a prefix copied
+    from a key, escapes included, stays as it is).
+    """
+    return quote(text, safe=_NAME_SAFE + "/%")
 
 
 def key_prefix(namespace: str, model: str) -> str:

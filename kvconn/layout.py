@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvconn.errors import LayoutError
+from kvconn.keys import unprintable
 
 if TYPE_CHECKING:  # layouts are plain data: only from_tensor reads tensors, by duck typing
     import torch
@@ -76,14 +77,19 @@ class Role:
             raise LayoutError(f"role name {self.name!r} must be lower-case letters, digits and '_'")
         if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 1:
             raise LayoutError(f"role {self.name!r}: units must be an int >= 1, got {self.units!r}")
+        # The dtype is hashed into keys and written into layout manifests, which tools
+        # print: a control character (a NUL from a C string) would make a key nobody
+        # else computes and a manifest that garbles a report.
         if (
             not isinstance(self.dtype, str)
             or not self.dtype
-            or any(c.isspace() or c in "/|" for c in self.dtype)
+            or not self.dtype.isascii()
+            or not self.dtype.isprintable()
+            or any(c in " /|" for c in self.dtype)
         ):
             raise LayoutError(
-                f"role {self.name!r}: dtype {self.dtype!r} must be non-empty, "
-                "without spaces, '/' or '|'"
+                f"role {self.name!r}: dtype {self.dtype!r} must be non-empty printable "
+                "ASCII without spaces, '/' or '|' (like 'bf16' or 'fp8_e4m3+scale')"
             )
 
     @property
@@ -170,16 +176,23 @@ class Region:
                 raise LayoutError(f"{where}: {name} must be a torch.Tensor, got {tensor!r:.80}")
         if view.dim() < 1:
             raise LayoutError(f"{where}: the tensor needs a slot dimension (dim 0)")
+        if view.numel() == 0:
+            # Checked first: an empty view has no byte to place inside the pool, and
+            # "does not lie inside the pool" would send the reader looking elsewhere.
+            raise LayoutError(
+                f"{where}: the tensor is empty (shape {tuple(view.shape)}); a region "
+                "needs at least one slot of at least one byte"
+            )
         if view.device != pool.device:
             raise LayoutError(f"{where}: tensor is on {view.device}, its pool on {pool.device}")
-        if view.shape[0] > 0 and not view[0].is_contiguous():
+        if not view[0].is_contiguous():
             raise LayoutError(f"{where}: the bytes of one slot are not contiguous")
         elsize = view.element_size()
         offset = view.data_ptr() - pool.data_ptr()
         pool_bytes = pool.numel() * pool.element_size()
         if offset < 0 or offset >= pool_bytes:
             raise LayoutError(f"{where}: the tensor does not lie inside pool {pool_index}")
-        size = (view[0].numel() if view.shape[0] > 0 else 0) * elsize
+        size = view[0].numel() * elsize
         return cls(
             role=role,
             layer=layer,
@@ -208,6 +221,12 @@ class LayerGroup:
         _positive_int(self.index, "index", "layer group", allow_zero=True)
         if not isinstance(self.name, str):
             raise LayoutError(f"layer group {self.index}: name must be a string, got {self.name!r}")
+        if unprintable(self.name) is not None:
+            # the name is in every error about the group, and travels in to_dict()
+            raise LayoutError(
+                f"layer group {self.index}: name {self.name!r} must be printable text, "
+                "without control or invisible characters"
+            )
         where = self.label
         object.__setattr__(self, "regions", _items(self.regions, "regions", where))
         _positive_int(self.num_slots, "num_slots", where)

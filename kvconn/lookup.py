@@ -135,7 +135,9 @@ class Lookup:
             if backend is not None and not isinstance(backend, Backend):
                 raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
             if backend is None:
-                backend = load_backend(self.config.backend, self.config.options)
+                backend = load_backend(
+                    self.config.backend, self.config.options, key_prefix=self.keys.prefix
+                )
             calls = BackendCalls(
                 backend,
                 name=self.config.backend,

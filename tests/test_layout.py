@@ -124,6 +124,51 @@ def test_a_tensor_whose_slot_bytes_are_not_contiguous_is_rejected():
         Region.from_tensor("k", 0, pool[:, :, 0], pool)
 
 
+@pytest.mark.parametrize("empty", [slice(0, 0), slice(2, 2)], ids=["no slots", "past the end"])
+def test_an_empty_tensor_is_refused_as_empty_not_as_lying_outside_its_pool(empty):
+    """Issue 15: ``pool[:0]`` was "the tensor does not lie inside pool 0"."""
+    pool = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
+    for view in (pool[empty], pool[:, 0, :0]):
+        with pytest.raises(LayoutError, match=r"region k@layer0: the tensor is empty \(shape"):
+            Region.from_tensor("k", 0, view, pool)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Role("k", 8, "bf16\x00"), "dtype 'bf16\\\\x00' must be non-empty printable ASCII"),
+        (lambda: Role("k", 8, "bf16\n"), "printable ASCII"),
+        (lambda: Role("k", 8, "bf16\u200b"), "printable ASCII"),  # zero-width space
+        (lambda: Role("k", 8, "bf\u00e916"), "printable ASCII"),
+        (
+            lambda: LayerGroup(0, 1, (Region("k", 0, 0, 8, 8, 1),), name="full\nattention"),
+            "layer group 0: name 'full\\\\nattention' must be printable text",
+        ),
+    ],
+)
+def test_text_that_reaches_a_key_a_manifest_or_a_label_refuses_control_characters(make, message):
+    with pytest.raises(LayoutError, match=message):
+        make()
+
+
+def test_a_stored_manifest_may_not_claim_a_dtype_or_role_name_no_layout_could_declare():
+    """Tools print manifests read from a store: they get the rules layouts get."""
+    from kvconn.manifest import ManifestError, PageManifest
+
+    good = PageManifest(32, "w8", (("k", 8, "bf16"),), ((0, "k", 64),))
+    for field, bad in (("dtype", "bf16\u0000"), ("dtype", "bf16\u001b[2J")):
+        doc = json.loads(good.to_json())
+        doc["roles"]["k"][field] = bad
+        with pytest.raises(ManifestError, match="printable ASCII"):
+            PageManifest.from_json(json.dumps(doc))
+    doc = json.loads(good.to_json())
+    doc["roles"]["k\n"] = doc["roles"].pop("k")
+    doc["regions"] = [[0, "k\n", 64]]
+    with pytest.raises(ManifestError, match="role name"):
+        PageManifest.from_json(json.dumps(doc))
+    assert PageManifest.from_json(good.to_json()) == good
+
+
 def test_roles_need_valid_names_units_and_dtypes():
     with pytest.raises(LayoutError, match="role name"):
         Role("K/V", 8, "bf16")

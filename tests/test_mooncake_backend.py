@@ -904,6 +904,10 @@ _MASTER = "127.0.0.1:1"
         ({"master_address": _MASTER, "local_hostname": "a b"}, "option 'local_hostname'"),
         ({"master_address": _MASTER, "global_segment_size": -1}, "option 'global_segment_size'"),
         ({"master_address": _MASTER, "global_segment_size": "lots"}, "'global_segment_size'"),
+        (
+            {"master_address": _MASTER, "global_segment_size": "1.5"},
+            r"option 'global_segment_size': '1.5' is 1.5 bytes, not a whole number",
+        ),
         ({"master_address": _MASTER, "local_buffer_size": True}, "option 'local_buffer_size'"),
         ({"master_address": _MASTER, "replica_num": 0}, "option 'replica_num'"),
         ({"master_address": _MASTER, "replica_num": True}, "option 'replica_num'"),

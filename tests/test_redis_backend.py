@@ -31,6 +31,7 @@ from redis.crc import key_slot
 
 from kvconn.backend import Backend
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
+from kvconn.keys import key_prefix
 from kvconn.registry import load_backend
 from kvconn.testing import BackendTests
 from kvconn.testing.suite import require_or_skip
@@ -244,7 +245,53 @@ def _make_certificates(directory: Path) -> dict[str, str]:
         "-extfile",
         "san.ext",
     )
-    return {name: str(directory / name) for name in ("ca.crt", "server.crt", "server.key")}
+    run("req", *ec, "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=kvconn client")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.crt",
+        "-days",
+        "1",
+    )
+    names = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
+    return {name: str(directory / name) for name in names}
+
+
+@contextlib.contextmanager
+def _tls_server(
+    directory: Path, *, auth_clients: bool
+) -> Iterator[tuple[RedisServer, int, dict[str, str]]]:
+    """A redis-server with a plain port and a TLS port; skipped without openssl or TLS."""
+    require_or_skip(RedisServer.available())
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make test certificates")
+    files = _make_certificates(directory)
+    tls_port = free_port()
+    server = RedisServer(
+        extra_args=[
+            *("--tls-port", str(tls_port), "--tls-ca-cert-file", files["ca.crt"]),
+            *("--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"]),
+            *("--tls-auth-clients", "yes" if auth_clients else "no"),
+        ]
+    )
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if "tls" in str(exc).lower():
+            pytest.skip(f"redis-server without TLS support: {exc}")
+        raise
+    try:
+        yield server, tls_port, files
+    finally:
+        server.stop()
 
 
 def test_a_rediss_url_talks_tls_and_rejects_an_untrusted_certificate(tmp_path: Path) -> None:
@@ -289,6 +336,53 @@ def test_a_rediss_url_talks_tls_and_rejects_an_untrusted_certificate(tmp_path: P
             _open({"url": url})  # the system CAs do not know our throwaway CA
     finally:
         server.stop()
+
+
+def test_a_tls_server_that_wants_a_client_certificate_none_was_given_is_refused_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15: the backend started with a warning, then every call failed with "Error 8
+    while writing to socket", served as misses."""
+    with _tls_server(tmp_path, auth_clients=True) as (_, tls_port, files):
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        with pytest.raises(
+            ConfigError,
+            match=r"requires a TLS client certificate and none is configured .*"
+            r"CERTIFICATE_REQUIRED.*set tls_cert_file and tls_key_file",
+        ):
+            _open({"url": url, "tls_ca_file": files["ca.crt"]})
+        certified = _open(
+            {
+                "url": url,
+                "tls_ca_file": files["ca.crt"],
+                "tls_cert_file": files["client.crt"],
+                "tls_key_file": files["client.key"],
+            }
+        )
+        assert certified.put(["tls/cert"], [b"x"]) == [True]
+        certified.close()
+    assert "calls will fail" not in caplog.text
+
+
+def test_a_url_whose_scheme_does_not_match_the_ports_transport_is_refused_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15: ``redis://`` at a TLS port was "Connection reset by peer" on every call;
+    ``rediss://`` at a plain port a handshake timing out on every call."""
+    with _tls_server(tmp_path, auth_clients=False) as (server, tls_port, files):
+        with pytest.raises(ConfigError, match=rf"speaks TLS on port {tls_port}.*use a rediss://"):
+            _open({"url": f"redis://127.0.0.1:{tls_port}/0"})
+        with pytest.raises(
+            ConfigError, match=rf"speaks plain TCP on port {server.port}, not TLS; use a redis://"
+        ):
+            _open(
+                {
+                    "url": f"rediss://127.0.0.1:{server.port}/0",
+                    "tls_ca_file": files["ca.crt"],
+                    "timeout_s": 1.0,
+                }
+            )
+    assert "calls will fail" not in caplog.text
 
 
 def test_a_unix_socket_url_reaches_the_server() -> None:
@@ -1520,9 +1614,84 @@ def test_a_user_who_may_not_write_or_read_is_refused_at_start_up(
             redis_server.command("ACL", "DELUSER", user)
 
 
+def test_an_acl_user_confined_to_other_keys_than_the_connectors_is_refused_at_start_up(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 15: without a key_prefix the probe could not tell which keys kvconn would
+    use, so a user confined to ``~other/*`` started, and every call was then refused
+    (a warning and a miss each). Told the connector's namespace and model, the probe
+    uses a key of that shape."""
+    redis_server.command("ACL", "SETUSER", "kvelse", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        options = {**redis_server.options, "username": "kvelse", "password": "pass"}
+        with pytest.raises(
+            ConfigError,
+            match=r"ACL user 'kvelse' has no permission for keys under 'kvconn/m%C3%A8le/' "
+            r"\(key_prefix '', then kvconn's namespace and model 'kvconn/m%C3%A8le/'\)"
+            r".*key patterns",
+        ):
+            load_backend("redis", options, key_prefix=key_prefix("kvconn", "m\u00e8le"))
+        with pytest.raises(ConfigError, match="under key_prefix 'tenant/'"):
+            load_backend(
+                "redis", {**options, "key_prefix": "tenant/"}, key_prefix=key_prefix("kvconn", "m")
+            )
+        # The same user, in the namespace its patterns allow, or with a key_prefix that
+        # puts kvconn's keys there
+        for extra, namespace in (({}, "other"), ({"key_prefix": "other/"}, "kvconn")):
+            allowed = load_backend(
+                "redis", {**options, **extra}, key_prefix=key_prefix(namespace, "m")
+            )
+            assert allowed.put([f"{key_prefix(namespace, 'm')}a"], [b"x"]) == [True]
+            allowed.close()
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvelse")
+
+
+def test_kvconn_simulate_refuses_an_acl_user_confined_to_other_keys_before_any_rank_starts(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvconn.tools.cli import main
+
+    redis_server.command("ACL", "SETUSER", "kvsim", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        monkeypatch.setenv("KVCONN_OPTION_PASSWORD", "pass")
+        argv = ["simulate", "--backend", "redis", "-o", f"url={redis_server.url}"]
+        assert main([*argv, "-o", "username=kvsim", "--tp", "1", "--layers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "ACL user 'kvsim' has no permission for keys under 'kvconn/minimax-m3/'" in err
+        assert len(err.strip().splitlines()) == 1, err
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvsim")
+
+
 def test_without_redis_py_the_backend_names_the_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis now fails
     with pytest.raises(BackendDependencyMissing, match=r"pip install 'kvconn\[redis\]'"):
         load_backend("redis", {"url": "redis://127.0.0.1:1/0"})
+
+
+def test_a_connector_for_an_acl_user_confined_to_other_keys_fails_at_start_up(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 15: an engine builds a Connector (and its scheduler a Lookup) from config;
+    both must refuse the user at start-up, not serve every call as a miss."""
+    from kvconn.connector import Connector
+    from kvconn.lookup import Lookup
+    from kvconn.tools.models import minimax_m3
+
+    redis_server.command("ACL", "SETUSER", "kvother", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        config = {
+            "model": "m",
+            "backend": "redis",
+            "options": {**redis_server.options, "username": "kvother", "password": "pass"},
+        }
+        layout = minimax_m3(tp_size=2)
+        for build in (lambda: Connector(config, layout), lambda: Lookup(config, layout)):
+            with pytest.raises(ConfigError, match=r"ACL user 'kvother'.*'kvconn/m/'"):
+                build()
+        Connector({**config, "namespace": "other"}, layout).close()  # its patterns allow it
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvother")

@@ -138,6 +138,30 @@ def test_a_second_run_on_the_same_store_hits_what_the_first_stored(capsys, tmp_p
     assert second["errors"] == 0 and second["pages_verified"] > first["pages_verified"]
 
 
+def test_a_rerun_that_adds_nothing_reports_what_the_store_holds_for_the_model(capsys, tmp_path):
+    """Issue 15: the second run's "0 bytes stored" read as a broken run. It is what the
+    run *added*; the report also says what the store holds for the model."""
+    from kvconn.tools.simulate.report import format_report
+
+    store = tmp_path / "store"
+    _, first = simulate(capsys, store)
+    _, second = simulate(capsys, store)
+    assert first["bytes_in_store"] == first["bytes_stored"] > 0
+    assert first["pages_in_store"] == first["pages_written"]
+    assert second["bytes_stored"] == 0
+    assert (second["bytes_in_store"], second["pages_in_store"]) == (
+        first["bytes_stored"],
+        first["pages_written"],
+    )
+    assert second["store_prefix"] == "kvconn/minimax-m3/"
+    assert main(["inspect", "--path", str(store), "--json"]) == 0  # the same figure
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert (model["pages"], model["bytes"]) == (second["pages_in_store"], second["bytes_in_store"])
+    table = format_report(second)
+    assert "  stored by this run             0 B   (pages 0 B" in table
+    assert f"{second['pages_in_store']:,} pages under kvconn/minimax-m3/" in table
+
+
 # ---------------------------------------------------------------- write ownership
 def test_the_first_policy_puts_every_replicated_page_on_rank_zero(capsys, tmp_path):
     code, report = simulate(capsys, tmp_path / "store", "--policy", "first")
@@ -290,7 +314,7 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["--layers", "100"], "has 60 layers; --layers must be between 1 and 60"),
         (["--model", "qwen3-235b-a22b", "--tp", "3"], "cannot run at TP=3: role 'k' has 4 units"),
         (["--option", "map_size"], "--option expects KEY=VALUE"),
-        (["--option", "mapsize=1"], "unknown option(s) mapsize; accepted: path, map_size"),
+        (["--option", "mapsize=1"], "unknown option(s): mapsize; known: map_size, max_map_size"),
         (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
         (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
         # absurd sizes (issue 11): refused before any rank process starts

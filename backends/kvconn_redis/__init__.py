@@ -20,7 +20,12 @@ What kvconn adds around it:
   credentials, ACL permissions, an untrusted certificate or the wrong mode are a
   :class:`~kvconn.errors.ConfigError` at start-up; messages never carry the password;
 * a start-up probe that the user may write and read (``SET … XX`` on an absent key,
-  which changes nothing but is checked against the ACL like the real puts);
+  which changes nothing but is checked against the ACL like the real puts), under the
+  key prefix and, once told (:meth:`RedisBackend.check_access`), under the connector's
+  namespace and model, so an ACL user confined to other keys is refused at start-up;
+  and when the probe's connection opens but breaks, a look at the transport
+  (:mod:`kvconn_redis._transport`): ``redis://`` at a TLS port, ``rediss://`` at a plain
+  one, a missing client certificate are configuration errors, not an outage;
 * values sent from the caller's buffers without a join, and each fetched value copied
   once into the caller's buffer after its size was checked.
 
@@ -132,20 +137,44 @@ class RedisBackend(Backend):
         )
         # redis-py is imported only now: the class must load without it, so that a
         # missing client library is reported with the install hint (client_modules).
-        from kvconn_redis import _client, _deadline, _errors
+        from kvconn_redis import _client, _deadline, _errors, _transport
 
         self._client: Client = _client.make_client(self.config)
         self._client_errors = _client.CLIENT_ERRORS
         self._deadline = _deadline.deadline
         self._translate = _errors.translate
+        self._transport_problem = _transport.transport_problem
         self._closed = False
+        self._unreachable_at_start = False
         try:
-            self._call("connect", self._client.check_access, startup=True)
-        except BackendUnavailable as exc:
-            log.warning("kvconn: %s; calls will fail until it answers", exc)
+            self._probe("")
         except BaseException:
             self.close()
             raise
+
+    def check_access(self, key_prefix: str) -> None:
+        """Refuse, at start-up, an ACL user whose key patterns exclude ``key_prefix``.
+
+        The constructor's probe knows only the ``key_prefix`` option; kvconn's keys go on
+        with the namespace and model (``kvconn/<model>/``), which only the caller knows.
+        A user confined to ``~other/*`` would otherwise be refused on every call, each
+        refusal a warning and a miss.
+        """
+        if not isinstance(key_prefix, str):
+            raise ConfigError(f"key_prefix must be a string, got {key_prefix!r}")
+        if not self._unreachable_at_start:  # said once already: no second warning
+            self._probe(key_prefix)
+
+    def _probe(self, key_prefix: str) -> None:
+        """The start-up probe under ``key_prefix``; an unreachable server only warns."""
+        try:
+            self._call("connect", self._client.check_access, key_prefix, startup=True)
+        except BackendUnavailable as exc:
+            problem = self._transport_problem(self.config)
+            if problem is not None:
+                raise ConfigError(redact_url(problem)) from None
+            self._unreachable_at_start = True
+            log.warning("kvconn: %s; calls will fail until it answers", exc)
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.config.where!r})"

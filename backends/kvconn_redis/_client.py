@@ -60,7 +60,7 @@ _KEY_BYTES = bytes(range(0x21, 0x7F))
 class Client(Protocol):
     """What the backend needs from either mode."""
 
-    def check_access(self) -> None: ...
+    def check_access(self, key_prefix: str = "") -> None: ...
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -188,43 +188,51 @@ class _Commands:
                 out.append(False)
         return out
 
-    def _probe_key(self) -> str:
+    def _probe_key(self, key_prefix: str) -> str:
         # A space cannot occur in kvconn's keys, so no page can ever be this key.
-        return f"{self.prefix}kvconn access probe {os.urandom(8).hex()}"
+        return f"{self.prefix}{key_prefix}kvconn access probe {os.urandom(8).hex()}"
 
-    def _probe(self, pipe: Any) -> None:
+    def _probe(self, pipe: Any, key_prefix: str) -> None:
         """Ask, without changing anything, whether this user may write and read our keys.
 
         ``SET key "" XX`` on an absent key writes nothing, yet the server checks it
         against the user's ACL exactly like the puts to come (command *and* key). A
         user's own ``ACL DRYRUN`` would say the same but is an admin command that
-        application users are rarely granted, so it cannot be the probe.
+        application users are rarely granted, so it cannot be the probe. ``key_prefix``
+        is what every key of the caller starts with after the ``key_prefix`` option (a
+        connector's ``{namespace}/{model}/``), so key patterns are checked on a key of
+        the same shape as the real ones.
         """
-        key = self._probe_key()
+        key = self._probe_key(key_prefix)
         pipe.execute_command("SET", key, "", "XX")
         pipe.execute_command("GET", key)
         pipe.execute_command("EXISTS", key)
 
-    def _check_probe(self, replies: Sequence[Any]) -> None:
+    def _check_probe(self, replies: Sequence[Any], key_prefix: str) -> None:
         user = self.config.username or "default"
         for command, reply in zip(("SET", "GET", "EXISTS"), replies):
             if not isinstance(reply, Exception):
                 continue
             code = error_code(reply)
             if code == "NOPERM":
-                if "key" in str(reply) and not self.prefix:
-                    # The user is confined to some keys; without a key_prefix nothing
-                    # says which keys kvconn will use, so nothing can be concluded.
+                keys = "key" in str(reply)
+                if keys and not (self.prefix or key_prefix):
+                    # The user is confined to some keys; with no prefix at all nothing
+                    # says which keys the backend will use, so nothing can be concluded.
                     continue
-                what = (
-                    f"keys under key_prefix {self.prefix!r}"
-                    if "key" in str(reply)
-                    else f"the {command} command"
-                )
+                what, fix = f"the {command} command", "grant it"
+                if keys:
+                    what = f"keys under key_prefix {self.prefix!r}"
+                    if key_prefix:
+                        what = (
+                            f"keys under {self.prefix + key_prefix!r} (key_prefix "
+                            f"{self.prefix!r}, then kvconn's namespace and model {key_prefix!r})"
+                        )
+                    fix = "make its key patterns (ACL SETUSER … ~<pattern>) match them"
                 raise ConfigError(
                     f"redis at {self.config.where}: the ACL user {user!r} has no "
                     f"permission for {what}, which the backend needs "
-                    f"(server said: NOPERM {reply}); grant it or use another user"
+                    f"(server said: NOPERM {reply}); {fix} or use another user"
                 )
             if code == "READONLY":
                 raise ConfigError(
@@ -269,11 +277,11 @@ class ServerClient(_Commands):
     def _pipeline(self) -> Any:
         return self._redis.pipeline(transaction=False)
 
-    def check_access(self) -> None:
+    def check_access(self, key_prefix: str = "") -> None:
         """Connect once; refuse a cluster node, and a user who may not read or write."""
         pipe = self._pipeline()
         pipe.execute_command("INFO", "cluster")
-        self._probe(pipe)
+        self._probe(pipe, key_prefix)
         info, *probe = pipe.execute(raise_on_error=False)
         if isinstance(info, (rx.ConnectionError, rx.TimeoutError)):
             raise info
@@ -282,7 +290,7 @@ class ServerClient(_Commands):
                 f"redis at {self.config.where} is a Redis Cluster node: use "
                 "cluster=True (or a redis+cluster:// URL)"
             )
-        self._check_probe(probe)
+        self._check_probe(probe, key_prefix)
 
     def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         prefix = self.prefix
@@ -457,10 +465,10 @@ class ClusterClient(_Commands):
             names.append(served[0].name if served else "")  # unserved: the pipeline says
         return sorted(range(len(keys)), key=names.__getitem__)
 
-    def check_access(self) -> None:
+    def check_access(self, key_prefix: str = "") -> None:
         pipe = self._pipeline()
-        self._probe(pipe)
-        self._check_probe(pipe.execute(raise_on_error=False))
+        self._probe(pipe, key_prefix)
+        self._check_probe(pipe.execute(raise_on_error=False), key_prefix)
 
     def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         return self.fill(self._run("GET", keys), buffers)

@@ -294,6 +294,16 @@ class BackendTests:
             (f"{prefix}/x/2", 2),
         ]
 
+    @pytest.mark.parametrize("outside", ["caf\u00e9", "with space", "nul\x00", "\udcc3"])
+    def test_a_prefix_outside_the_key_alphabet_lists_nothing(
+        self, backend: Backend, prefix: str, outside: str
+    ) -> None:
+        """No key can start with it; an answer, not an encoding error from the store."""
+        if not backend.capabilities.listing:
+            pytest.skip("backend does not declare listing")
+        backend.put([f"{prefix}/x/1"], [b"1"])
+        assert list(backend.list_keys(f"{prefix}/x/{outside}")) == []
+
     def test_registered_buffers_round_trip(self, backend: Backend, prefix: str) -> None:
         if not backend.capabilities.buffer_registration:
             pytest.skip("backend does not declare buffer registration")

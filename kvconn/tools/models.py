@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvconn.config import load_toml
+from kvconn.config import load_toml, unknown_names
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
 
@@ -367,11 +367,8 @@ def preset_from_dict(data: Mapping[str, Any], where: str = "layout") -> Preset:
     Unknown keys are errors, like everywhere in kvconn's configuration: a misspelt
     ``bytes_per_unt`` must not silently produce a different footprint.
     """
-    unknown = sorted(set(data) - _FILE_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_FILE_KEYS))}"
-        )
+    if set(data) - _FILE_KEYS:
+        raise unknown_names("key", set(data) - _FILE_KEYS, _FILE_KEYS, where=where)
     for required in ("name", "layers", "roles"):
         if required not in data:
             raise ConfigError(f"{where}: missing {required!r}")
@@ -383,12 +380,8 @@ def preset_from_dict(data: Mapping[str, Any], where: str = "layout") -> Preset:
         here = f"{where}: roles[{i}]"
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{here} must be a table")
-        unknown = sorted(set(raw) - _ROLE_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"{here}: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(_ROLE_KEYS))}"
-            )
+        if set(raw) - _ROLE_KEYS:
+            raise unknown_names("key", set(raw) - _ROLE_KEYS, _ROLE_KEYS, where=here)
         missing = [k for k in ("name", "units", "bytes_per_unit", "dtype") if k not in raw]
         if missing:
             raise ConfigError(f"{here}: missing {', '.join(missing)}")

@@ -48,7 +48,7 @@ from kvconn.plan import WriterPolicy
 from kvconn.results import Outcome
 from kvconn.transfer import TransferService
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
-from kvconn_sglang.settings import AdapterSettings
+from kvconn_sglang.settings import AdapterSettings, engine_model
 
 log = logging.getLogger("kvconn.sglang")
 
@@ -63,7 +63,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
         _check_supported(storage_config)
         self.storage_config = storage_config
         self.settings = AdapterSettings.from_extra_config(
-            storage_config.extra_config, storage_config.model_name
+            storage_config.extra_config,
+            engine_model(_published_server_args(), storage_config.model_name),
         )
         #: Whether SGLang has every TP rank save (else only the writer ranks do, and
         #: each of them must write every page it holds).
@@ -299,13 +300,26 @@ def _shape_of(pool: Any) -> HostPoolShape:
     )
 
 
+def _published_server_args() -> Any:
+    """SGLang's ``ServerArgs`` of this server, or ``None`` when none were published."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception as exc:  # a storage built outside a server (tests, tools)
+        log.info("kvconn HiCache storage: no published server arguments (%s)", exc)
+        return None
+
+
 def _served_kv_heads() -> int | None:
     """The served model's global KV head count, from the config SGLang published."""
     try:
         from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.runtime_context import get_server_args
 
-        return int(ModelConfig.from_server_args(get_server_args()).get_total_num_kv_heads())
-    except Exception as exc:  # no published server args, or a config SGLang cannot read
+        server_args = _published_server_args()
+        if server_args is None:
+            return None
+        return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+    except Exception as exc:  # a config SGLang cannot read
         log.info("kvconn HiCache storage: the model's KV head count is unknown (%s)", exc)
         return None

@@ -47,10 +47,20 @@ def test_the_kvconn_entry_must_be_a_table():
         AdapterSettings.from_extra_config({"interface_v1": 1, "kvconn": "redis"}, "m", environ={})
 
 
-def test_the_model_defaults_to_the_name_sglang_serves_under():
-    settings = AdapterSettings.from_extra_config(V1, "org/model", environ={})
-    assert settings.connector.model == "org/model"
+def test_the_model_defaults_to_the_weights_sglang_loads_as_in_every_adapter():
+    """``<model path>@<revision>[+<quantization>]`` (kvconn.engine_settings), not the
+    name SGLang serves under, which may be an alias two models share."""
+    from types import SimpleNamespace
+
+    from kvconn_sglang.settings import engine_model
+
+    args = SimpleNamespace(model_path="org/model", revision="r1", quantization="fp8")
+    settings = AdapterSettings.from_extra_config(V1, engine_model(args, "alias"), environ={})
+    assert settings.connector.model == "org/model@r1+fp8"
     assert settings.connector.backend == "lmdb"
+    # without published server arguments the served name is all there is
+    unpublished = AdapterSettings.from_extra_config(V1, "org/model", environ={})
+    assert unpublished.connector.model == "org/model@default"
 
 
 def test_kvconn_environment_variables_override_the_extra_config():

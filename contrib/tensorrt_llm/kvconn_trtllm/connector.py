@@ -135,7 +135,7 @@ class KvconnWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.rank, self.tp_size = _tp(llm_args)
         _require_block_reuse(llm_args)
-        self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
+        self.settings = TrtllmSettings.load(llm_args)
         self.connector: Connector | None = None
         self.transfers: TransferService | None = None
         #: this step's failed loads, agreed by every rank; raised inside the forward
@@ -276,7 +276,7 @@ class KvconnScheduler(KvCacheConnectorScheduler):
         _, self.tp_size = _tp(llm_args)
         _require_block_reuse(llm_args)
         self.tokens_per_block = _tokens_per_block(llm_args)
-        self.settings = TrtllmSettings.load(getattr(llm_args, "model", None))
+        self.settings = TrtllmSettings.load(llm_args)
         self._lookup: DeadlineLookup | None = None
         self._requests: dict[int, _Request] = {}
 

@@ -14,11 +14,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvconn.config import ENV_CONFIG_FILE, ConnectorConfig, load_toml
+from kvconn.config import ENV_CONFIG_FILE, ConnectorConfig, load_toml, unknown_names
+from kvconn.engine_settings import EngineModel, adapter_config, check_kv_heads
 from kvconn.errors import ConfigError
 
 TABLE = "tensorrt_llm"
 TABLE_KEYS = frozenset({"kv_heads"})
+#: TensorRT-LLM's ``QuantAlgo`` for "no quantization": not a quantization of the weights.
+_NO_QUANT = "NO_QUANT"
+
+
+def engine_model(llm_args: Any) -> EngineModel | None:
+    """The weights TensorRT-LLM loads: ``model``, ``revision``, ``quant_config.quant_algo``.
+
+    ``llm_args`` is the engine's ``LlmArgs``, or just the model's name or path.
+    """
+    if llm_args is None or isinstance(llm_args, (str, os.PathLike)):
+        return EngineModel.of(llm_args) if llm_args else None
+    model = getattr(llm_args, "model", None)
+    if not model:
+        return None
+    algo = getattr(getattr(llm_args, "quant_config", None), "quant_algo", None)
+    algo = getattr(algo, "value", algo)
+    return EngineModel.of(
+        model, getattr(llm_args, "revision", None), None if algo == _NO_QUANT else algo
+    )
 
 
 @dataclass(frozen=True)
@@ -34,30 +54,24 @@ class TrtllmSettings:
     kv_heads: int | None = None
 
     @classmethod
-    def load(cls, model: Any, environ: Mapping[str, str] | None = None) -> TrtllmSettings:
+    def load(cls, llm_args: Any, environ: Mapping[str, str] | None = None) -> TrtllmSettings:
+        """Settings from ``$KVCONN_CONFIG`` (its ``[tensorrt_llm]`` table taken out) and
+        ``KVCONN_*`` variables; ``model`` defaults to the weights the engine loads
+        (:func:`engine_model`), as in every adapter (:mod:`kvconn.engine_settings`)."""
         env = dict(os.environ if environ is None else environ)
         base: dict[str, Any] = {}
-        if str(model or ""):
-            base["model"] = str(model)
         table: Any = {}
         path = env.pop(ENV_CONFIG_FILE, None)
         if path:
-            loaded = load_toml(path)
-            table = loaded.pop(TABLE, {})
-            base.update(loaded)
+            base = load_toml(path)
+            table = base.pop(TABLE, {})
         if not isinstance(table, Mapping):
             raise ConfigError(f"{path}: [{TABLE}] must be a table, got {type(table).__name__}")
-        unknown = sorted(set(table) - TABLE_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"{path}: unknown key(s) in [{TABLE}]: {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(TABLE_KEYS))}"
+        if set(table) - TABLE_KEYS:
+            raise unknown_names(
+                f"[{TABLE}] key", set(table) - TABLE_KEYS, TABLE_KEYS, where=path or ""
             )
-        kv_heads = table.get("kv_heads")
-        if kv_heads is not None and (
-            isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
-        ):
-            raise ConfigError(
-                f"{path}: [{TABLE}] kv_heads must be a positive int, got {kv_heads!r}"
-            )
-        return cls(ConnectorConfig.from_env(env, base=base), kv_heads)
+        connector = adapter_config(
+            base, engine_model=engine_model(llm_args), environ=env, where=str(path)
+        )
+        return cls(connector, check_kv_heads(table.get("kv_heads"), f"{path}: [{TABLE}]"))

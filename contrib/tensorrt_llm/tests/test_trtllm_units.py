@@ -26,11 +26,14 @@ def write(tmp_path, text):
     return {"KVCONN_CONFIG": str(path)}
 
 
-def test_the_model_defaults_to_the_one_the_engine_serves(tmp_path):
-    settings = TrtllmSettings.load("org/model", environ=write(tmp_path, 'backend = "redis"\n'))
-    assert settings.connector.model == "org/model"
+def test_the_model_defaults_to_the_weights_the_engine_loads_as_in_every_adapter(tmp_path):
+    """``<model>@<revision>[+<quantization>]`` (kvconn.engine_settings)."""
+    env = write(tmp_path, 'backend = "redis"\n')
+    settings = TrtllmSettings.load(TorchLlmArgs(model="org/model"), environ=env)
+    assert settings.connector.model == "org/model@default"
     assert settings.connector.backend == "redis"
     assert settings.kv_heads is None
+    assert TrtllmSettings.load("org/model", environ=env).connector.model == "org/model@default"
 
 
 def test_the_adapter_table_is_read_apart_from_kvconns_keys(tmp_path):

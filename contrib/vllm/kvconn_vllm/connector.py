@@ -86,20 +86,18 @@ class _Tracked:
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
-    """kvconn's configuration: ``kv_connector_extra_config``, model defaulted from vLLM.
+    """kvconn's configuration as every adapter reads it (:mod:`kvconn.engine_settings`):
+    ``kv_connector_extra_config``, overlaid by ``$KVCONN_CONFIG`` and ``KVCONN_*``
+    variables, ``model`` defaulting to the weights vLLM loads (model, revision and
+    weight quantization, which changes the KV values)."""
+    from kvconn.engine_settings import EngineModel, adapter_config
 
-    The model names the weights: vLLM's model and revision, plus its weight
-    quantization, which changes the KV values.
-    """
-    transfer = vllm_config.kv_transfer_config
-    extra = dict(transfer.kv_connector_extra_config or {})
-    if "model" not in extra:
-        model = vllm_config.model_config
-        name = f"{model.model}@{model.revision or 'default'}"
-        if model.quantization:
-            name += f"+{model.quantization}"
-        extra["model"] = name
-    return ConnectorConfig.from_dict(extra)
+    model = vllm_config.model_config
+    return adapter_config(
+        vllm_config.kv_transfer_config.kv_connector_extra_config,
+        engine_model=EngineModel.of(model.model, model.revision, model.quantization),
+        where="kv_connector_extra_config",
+    )
 
 
 def hash_scheme(vllm_config: VllmConfig) -> str:

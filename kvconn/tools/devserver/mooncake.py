@@ -323,8 +323,9 @@ class MooncakeCluster:
         The log directory is removed unless the caller chose it (``log_dir=``).
         """
         with self._lock:
-            for child in [*self._storage, self._master]:
-                _process.stop(child)
+            # storage first, together: each unmounts its segment from the master it needs
+            _process.stop_all(self._storage)
+            _process.stop(self._master)
             self._storage = []
             self._master = None
             if self._tmp is not None:

@@ -19,6 +19,7 @@ compare payloads.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvconn.integrity import PageChecksum
@@ -31,6 +32,16 @@ if TYPE_CHECKING:
 TIME_PARTS = ("store", "movement", "planning", "compute", "verify")
 
 
+@dataclass(frozen=True)
+class StoreHolding:
+    """Page keys under one ``{namespace}/{model}/`` prefix after the run, and their bytes
+    (stored values, checksum trailers included: ``kvconn inspect``'s figure)."""
+
+    prefix: str
+    pages: int
+    bytes: int
+
+
 def _event(stats: Mapping[str, Any], event: str, table: str = "total") -> Any:
     return stats.get(table, {}).get(event, {})
 
@@ -41,6 +52,7 @@ def build_report(
     layout: KvLayout,
     location: str,
     coordinator: Mapping[str, Any],
+    held: StoreHolding | None,
     ranks: Sequence[Mapping[str, Any]],
     wall_s: float,
     startup_s: float,
@@ -115,6 +127,10 @@ def build_report(
         "pages_written_by_role": {role: sum(v) for role, v in role_pages.items()},
         "bytes_written_by_rank_and_role": role_bytes,
         "bytes_stored": payload + checksum_bytes,
+        # what the store holds for this model after the run, whichever run stored it
+        "pages_in_store": None if held is None else held.pages,
+        "bytes_in_store": None if held is None else held.bytes,
+        "store_prefix": None if held is None else held.prefix,
         "payload_bytes_stored": payload,
         "checksum": settings.config.checksum,
         "checksum_bytes": checksum_bytes,
@@ -198,10 +214,18 @@ def format_report(report: Mapping[str, Any]) -> str:
     add(f"  {'pages':>5} {'':>9} {'':>12}{page_cells}   (pages holding the role)")
     add("")
     add(
-        f"  bytes stored          {human_bytes(report['bytes_stored']):>12}   "
+        f"  stored by this run    {human_bytes(report['bytes_stored']):>12}   "
         f"(pages {human_bytes(report['payload_bytes_stored'])}, "
         f"{report['checksum']} checksums {human_bytes(report['checksum_bytes'])})"
     )
+    if report["bytes_in_store"] is None:
+        add(f"  in the store          {'-':>12}   (the {report['backend']} backend cannot list)")
+    else:
+        add(
+            f"  in the store          {human_bytes(report['bytes_in_store']):>12}   "
+            f"({report['pages_in_store']:,} pages under {report['store_prefix']}, "
+            "stored by this run and earlier ones)"
+        )
     add(
         f"  per-rank keying       {human_bytes(report['bytes_naive']):>12}   "
         f"saving {_percent(report['saving'])}"

@@ -21,16 +21,19 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, TextIO
 
+from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.errors import ConfigError, KvconnError
+from kvconn.errors import BackendError, ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
+from kvconn.keys import key_prefix
 from kvconn.plan import lookup_keys
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
+from kvconn.tools.inspect_store import footprint
 from kvconn.tools.models import Preset
 from kvconn.tools.simulate.budget import available_memory, check_memory, estimate_memory
-from kvconn.tools.simulate.report import build_report
+from kvconn.tools.simulate.report import StoreHolding, build_report
 from kvconn.tools.simulate.timing import TimedBackend, describe_location, timed
 from kvconn.tools.simulate.worker import RankSpec, rank_main
 from kvconn.tools.simulate.workload import Request, WorkloadSpec, generate
@@ -219,8 +222,12 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     layout = settings.preset.layout(settings.tp_size, settings.layers, num_slots, tpb)
     prompt_tokens = sum(len(r.tokens) for r in requests)
     check_memory(estimate(pool_sizes=layout.pool_sizes, prompt_tokens=prompt_tokens), available)
-    backend = timed(load_backend(settings.config.backend, settings.config.options))
-    coordinator = Connector(settings.config, layout, rank=0, backend=backend)
+    config = settings.config
+    # Asked once, here, before any rank starts: keys of this namespace and model must be
+    # the user's to write (a Redis ACL user may be confined to other keys).
+    prefix = key_prefix(config.namespace, config.model)
+    backend = timed(load_backend(config.backend, config.options, key_prefix=prefix))
+    coordinator = Connector(config, layout, rank=0, backend=backend)
     try:
         if settings.evict_rate > 0 and not backend.capabilities.delete:
             raise ConfigError(
@@ -248,6 +255,7 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
             results = group.gather("result")
         finally:
             group.stop()
+        held = store_holding(backend, coordinator.prefix)
     finally:
         coordinator.close()
     return build_report(
@@ -255,11 +263,32 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
         layout=layout,
         location=location,
         coordinator=coord,
+        held=held,
         ranks=results,
         wall_s=time.perf_counter() - wall_start,
         startup_s=replay_start - wall_start,
         replay_s=replay_s,
         num_slots=num_slots,
+    )
+
+
+def store_holding(backend: Backend, prefix: str) -> StoreHolding | None:
+    """What the store holds under ``prefix`` (this namespace and model), all runs together.
+
+    A rerun of the same workload writes nothing, so what *this run* stored is 0 bytes;
+    next to it the report shows what is there for the model, which is what the rerun
+    hits. ``None`` when the backend cannot list its keys, or the listing failed.
+    """
+    if not backend.capabilities.listing:
+        return None
+    try:
+        fp = footprint(backend.list_keys(prefix))
+    except BackendError:
+        return None
+    return StoreHolding(
+        prefix=prefix,
+        pages=sum(row.pages for row in fp.rows.values()),
+        bytes=sum(row.bytes for row in fp.rows.values()),
     )
 
 

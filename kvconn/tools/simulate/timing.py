@@ -60,6 +60,9 @@ class TimedBackend(Backend):
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         return self.inner.list_keys(prefix)
 
+    def check_access(self, key_prefix: str) -> None:
+        self.inner.check_access(key_prefix)
+
     def _exists(self, keys: list[str]) -> Sequence[bool]:
         return self.inner._exists(keys)
 
