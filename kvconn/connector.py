@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
@@ -47,7 +47,7 @@ from kvconn.manifests import ManifestWriter
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
-from kvconn.repair import PageRepair
+from kvconn.repair import PageRepair, Verdict, check
 from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_outcomes
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
@@ -520,6 +520,8 @@ class Connector:
         gate: Gate | None,
     ) -> int:
         n = stop - start
+        if self.backend.capabilities.borrowed_reads and self.device.type == "cpu":
+            return self._load_borrowed(hashes, start, stop, slots, movers, gate)
         # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
         # A value is a row: the page, then its checksum.
@@ -562,6 +564,67 @@ class Connector:
                 movers[s].scatter(index.to(self.device), rows[:, :size])
                 self.stats.add("loaded", share.plan, good)
             self._sync()
+        return good
+
+    def _load_borrowed(
+        self,
+        hashes: Sequence[bytes],
+        start: int,
+        stop: int,
+        slots: SlotMap,
+        movers: Sequence[PageMover],
+        gate: Gate | None,
+    ) -> int:
+        """:meth:`_load_chunk` from values the store lends where it holds them.
+
+        The checksum is verified on the lent bytes and the good prefix is scattered
+        straight from them into the slots: one copy of each page instead of three passes
+        (copy into staging, verify, scatter). The store is repaired after the loan ends,
+        since a delete may need what the loan holds (LMDB: a remap waits for readers).
+        """
+        n = stop - start
+        keys = [
+            share_key(self.prefix, share, hashes[start + i])
+            for share in self.shares
+            for i in range(n)
+        ]
+        sizes = [share.plan.value_size for share in self.shares for _ in range(n)]
+        empty = memoryview(b"")
+
+        def borrowed() -> tuple[Verdict, int]:
+            with self.backend.borrow(self.calls.vetted(keys)) as views:
+                statuses = [
+                    ReadStatus.MISSING
+                    if view is None
+                    else ReadStatus.LOADED
+                    if view.nbytes == size
+                    else ReadStatus.WRONG_SIZE
+                    for view, size in zip(views, sizes)
+                ]
+                pages: list[memoryview] = [
+                    v if v is not None and s is ReadStatus.LOADED else empty
+                    for v, s in zip(views, statuses)
+                ]
+                verdict = check(self.shares, keys, pages, statuses, n)
+                good = n
+                for s in range(len(self.shares)):
+                    flags = verdict.usable[s * n : (s + 1) * n]
+                    good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+                if good:
+                    with gate(good) if gate is not None else contextlib.nullcontext(True) as ok:
+                        if not ok:
+                            return verdict, 0
+                        for s, share in enumerate(self.shares):
+                            index = slots[share.plan.group][start : start + good].tolist()
+                            movers[s].scatter_pages(index, pages[s * n : s * n + good])
+                            self.stats.add("loaded", share.plan, good)
+                return verdict, good
+
+        try:
+            verdict, good = self.calls.call("get", borrowed)
+        except Unavailable:
+            return 0
+        self._repair.settle(verdict)
         return good
 
     # ------------------------------------------------------------------ helpers

@@ -16,6 +16,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvconn.backend import ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
@@ -41,38 +42,23 @@ class PageRepair:
         n: int,
     ) -> list[bool]:
         """Per page of a read (``n`` per page kind, kinds in ``shares`` order), whether it
-        arrived whole and verified.
+        arrived whole and verified; the store is repaired for the pages that did not.
 
         Every page that arrived is verified, also after the first failure: a bad page
         found now is repaired now, before the save that follows the engine's recompute
         would skip it as already stored. A page the backend could not reach is a miss
         and stays stored: it is not the page's fault.
         """
-        usable = [s is ReadStatus.LOADED for s in statuses]
-        damaged: dict[str, PagePlan] = {}
-        unread: dict[str, PagePlan] = {}
-        unreachable: dict[PagePlan, int] = {}
-        for s, share in enumerate(shares):
-            here = range(s * n, (s + 1) * n)
-            got = [i for i in here if usable[i]]
-            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
-            for i, verified in zip(got, checks):
-                if not verified:
-                    usable[i] = False
-                    damaged[keys[i]] = share.plan
-            for i in here:
-                status = statuses[i]
-                if status is ReadStatus.WRONG_SIZE:
-                    damaged[keys[i]] = share.plan
-                elif status is ReadStatus.FAILED:
-                    unread[keys[i]] = share.plan
-                elif status is ReadStatus.UNREACHABLE:
-                    unreachable[share.plan] = unreachable.get(share.plan, 0) + 1
-        for plan, count in unreachable.items():
+        verdict = check(shares, keys, buffers, statuses, n)
+        self.settle(verdict)
+        return verdict.usable
+
+    def settle(self, verdict: Verdict) -> None:
+        """Count what a :func:`check` found and repair the store (backend calls)."""
+        for plan, count in verdict.unreachable.items():
             self.calls.stats.add("unreachable", plan, count)
-        if damaged or unread:
-            self.repair(damaged, unread)
-        return usable
+        if verdict.damaged or verdict.unread:
+            self.repair(dict(verdict.damaged), verdict.unread)
 
     def repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
         """Delete stored pages that cannot be loaded, so the next save rewrites them.
@@ -127,3 +113,46 @@ class PageRepair:
             keys[0],
             what,
         )
+
+
+@dataclass
+class Verdict:
+    """What verifying one read found, before anything is counted or repaired."""
+
+    usable: list[bool]
+    damaged: dict[str, PagePlan] = field(default_factory=dict)  # wrong checksum or size
+    unread: dict[str, PagePlan] = field(default_factory=dict)  # failed, reason unknown
+    unreachable: dict[PagePlan, int] = field(default_factory=dict)
+
+
+def check(
+    shares: Sequence[RankShare],
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    statuses: Sequence[ReadStatus],
+    n: int,
+) -> Verdict:
+    """Verify the pages of a read (``n`` per page kind, kinds in ``shares`` order).
+
+    Pure (no backend call), so it can run while a backend lends the bytes
+    (``Backend.borrow``) and the repair after the loan ends.
+    """
+    verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
+    usable = verdict.usable
+    for s, share in enumerate(shares):
+        here = range(s * n, (s + 1) * n)
+        got = [i for i in here if usable[i]]
+        checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+        for i, verified in zip(got, checks):
+            if not verified:
+                usable[i] = False
+                verdict.damaged[keys[i]] = share.plan
+        for i in here:
+            status = statuses[i]
+            if status is ReadStatus.WRONG_SIZE:
+                verdict.damaged[keys[i]] = share.plan
+            elif status is ReadStatus.FAILED:
+                verdict.unread[keys[i]] = share.plan
+            elif status is ReadStatus.UNREACHABLE:
+                verdict.unreachable[share.plan] = verdict.unreachable.get(share.plan, 0) + 1
+    return verdict

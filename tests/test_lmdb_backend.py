@@ -484,3 +484,96 @@ def test_the_sync_option_decides_whether_each_commit_is_flushed(tmp_path, sync):
     flags = backend._env.flags()
     assert (flags["sync"], flags["metasync"], flags["writemap"]) == (sync, sync, False)
     backend.close()
+
+
+# ------------------------------------------------------ loads from borrowed values
+def _lmdb_group(tmp_path, tp=2):
+    import torch
+
+    from kvconn.connector import Connector
+    from kvconn.tools.models import minimax_m3
+    from tests.helpers import fill_pool
+
+    layout = minimax_m3(tp_size=tp, layers=2, num_slots=16)
+    config = {"model": "m", "backend": "lmdb", "options": {"path": str(tmp_path / "s")}}
+    group = []
+    for rank in range(tp):
+        pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
+        fill_pool(layout, rank, pools)
+        group.append(Connector(config, layout, rank=rank, pools=pools))
+    return layout, config, group
+
+
+def test_a_load_from_lmdb_verifies_and_scatters_the_stored_bytes_without_copying_them_first(
+    tmp_path, monkeypatch
+):
+    """Borrowed reads: the checksum is checked on the mapped value and the pages go
+    straight into the slots; nothing is copied into staging (no ``get``)."""
+    import torch
+
+    from kvconn.connector import Connector
+    from kvconn.hashing import block_hashes
+    from tests.helpers import slot_bytes
+
+    layout, config, writers = _lmdb_group(tmp_path)
+    hashes = block_hashes(list(range(32 * 4)), 32)
+    for w in writers:
+        w.save(hashes, [1, 3, 5, 7])
+    readers = [
+        Connector(
+            config,
+            layout,
+            rank=r,
+            pools=[torch.zeros(s, dtype=torch.uint8) for s in layout.pool_sizes],
+        )
+        for r in range(2)
+    ]
+    for r in readers:
+        monkeypatch.setattr(r.backend, "_get", lambda *a, **k: pytest.fail("copied via get"))
+    for w, r in zip(writers, readers):
+        assert r.load(hashes, [2, 4, 6, 8]).loaded == 4
+        for src, dst in zip([1, 3, 5, 7], [2, 4, 6, 8]):
+            assert slot_bytes(layout, r.pools, dst) == slot_bytes(layout, w.pools, src)
+    for c in [*writers, *readers]:
+        c.close()
+
+
+def test_a_wrong_sized_value_lent_by_lmdb_fails_its_block_and_is_repaired(tmp_path):
+    from kvconn.hashing import block_hashes
+
+    _layout, _config, (conn, _) = _lmdb_group(tmp_path)
+    hashes = block_hashes(list(range(32 * 3)), 32)
+    conn.save(hashes, [1, 2, 3])
+    key = conn.keys.rank_keys(0, hashes[1])[0]
+    env = conn.backend._write_env()  # the test rewrites the stored value behind kvconn
+    with env.begin(write=True) as txn:
+        txn.put(key.encode(), b"short")
+    result = conn.load(hashes, [4, 5, 6])
+    assert result.loaded == 1
+    assert conn.stats.pages("repaired") == 1
+    assert conn.backend.exists([key]) == [False]
+    conn.close()
+
+
+def test_a_cancelled_borrowed_load_writes_nothing_more_into_the_slots(tmp_path):
+    import contextlib
+
+    import torch
+
+    from kvconn.hashing import block_hashes
+    from kvconn.slots import slot_map
+
+    layout, _config, (conn, _) = _lmdb_group(tmp_path)
+    hashes = block_hashes(list(range(32 * 3)), 32)
+    conn.save(hashes, [1, 2, 3])
+    before = [p.clone() for p in conn.pools]
+
+    @contextlib.contextmanager
+    def closed_gate(blocks):
+        yield False
+
+    slots = slot_map(layout, [4, 5, 6], hashes)
+    result = conn.load_into(hashes, slots, lambda n: (None, None), gate=closed_gate)  # type: ignore[arg-type,return-value]
+    assert result.loaded == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, conn.pools))
+    conn.close()
