@@ -45,7 +45,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.errors import ArgumentError, BackendError, ConfigError, InvalidKeyError, LayoutError
 from kvconn.hashing import DIGEST_SIZE
 from kvconn.keys import key_prefix, manifest_key, page_key
-from kvconn.layout import KvLayout, shard_position
+from kvconn.layout import NO_SLOT, KvLayout, shard_position
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import (
     PagePlan,
@@ -53,6 +53,7 @@ from kvconn.plan import (
     WriterPolicy,
     count_prefix_hit,
     lookup_keys,
+    lookup_windows,
     plan_pages,
     rank_shares,
     share_key,
@@ -243,7 +244,11 @@ class Connector:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
-        """The longest prefix of blocks whose every page, for every rank, is stored."""
+        """The longest prefix of blocks whose every needed page, for every rank, is stored.
+
+        A page of a group with a window is needed only inside the window that ends at
+        the hit (``LayerGroup.window``; :func:`kvconn.plan.count_prefix_hit`).
+        """
         hashes = _check_hashes(block_hashes)
         self.stats.bump("lookups")
         if not hashes:
@@ -256,7 +261,9 @@ class Connector:
             self.stats.bump("lookup_errors")
             return LookupResult(0, 0, available=False)
         it = iter(present)
-        blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
+        blocks = count_prefix_hit(
+            [[next(it) for _ in keys] for keys in per_block], lookup_windows(self.plans)
+        )
         return LookupResult(blocks, blocks * self.layout.tokens_per_block)
 
     # ------------------------------------------------------------------ save
@@ -268,6 +275,8 @@ class Connector:
         writer_policy: WriterPolicy | str | None = None,
     ) -> SaveResult:
         """Store the pages of these blocks that this rank is the designated writer of.
+
+        A group's slot ``NO_SLOT`` (-1) for a block stores nothing of that group for it.
 
         ``writer_policy`` overrides the configured one for this call; ``"all"`` is for
         an engine that decides itself which rank saves (SGLang MLA: rank 0 only): this
@@ -281,7 +290,12 @@ class Connector:
             policy = WriterPolicy.parse(writer_policy)
         owned: list[tuple[int, list[int], list[str]]] = []  # (share index, blocks, keys)
         for s, share in enumerate(self.shares):
-            blocks = [i for i, h in enumerate(hashes) if writes(share, h, policy)]
+            slots_of = slot_map[share.plan.group].tolist()
+            blocks = [
+                i
+                for i, h in enumerate(hashes)
+                if slots_of[i] != NO_SLOT and writes(share, h, policy)
+            ]
             owned.append((s, blocks, [share_key(self.prefix, share, hashes[i]) for i in blocks]))
         all_keys = [k for _, _, keys in owned for k in keys]
         if not all_keys:
@@ -396,6 +410,8 @@ class Connector:
         A block is loaded only if every one of its pages arrived whole and passed its
         checksum; the first block that did not, and every block after it, are returned as
         failed and their slots are not written, so the engine recomputes exactly those.
+        A group's slot ``NO_SLOT`` (-1) for a block loads nothing of that group for it
+        and is not needed for the block to count as loaded.
         """
         hashes = _check_hashes(block_hashes)
         slot_map = self._slot_map(slots, hashes)
@@ -426,22 +442,30 @@ class Connector:
         staging: Staging,
     ) -> int:
         n = stop - start
+        # Per page kind, the blocks of the chunk (0..n-1) it has a slot for: a group
+        # without a slot for a block (NO_SLOT) neither reads nor needs that page.
+        wanted: list[list[int]] = []
+        for share in self.shares:
+            slots_of = slot_map[share.plan.group][start:stop].tolist()
+            wanted.append([i for i, slot in enumerate(slots_of) if slot != NO_SLOT])
         # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
         # A value is a row: the page, then its checksum.
         offsets: list[int] = []
         total = 0
-        for share in self.shares:
+        for share, blocks in zip(self.shares, wanted):
             offsets.append(total)
-            total = _aligned(total + n * share.plan.value_size)
+            total = _aligned(total + len(blocks) * share.plan.value_size)
         buffer, view = staging.take(total)
         keys: list[str] = []
         buffers: list[memoryview] = []
-        for share, offset in zip(self.shares, offsets):
+        for share, offset, blocks in zip(self.shares, offsets, wanted):
             row = share.plan.value_size
-            for i in range(n):
+            for k, i in enumerate(blocks):
                 keys.append(share_key(self.prefix, share, hashes[start + i]))
-                buffers.append(view[offset + i * row : offset + (i + 1) * row])
+                buffers.append(view[offset + k * row : offset + (k + 1) * row])
+        if not keys:
+            return n
         # Scratch: staging pages of keys that fail are never scattered (below).
         try:
             arrived = self._call(
@@ -449,28 +473,40 @@ class Connector:
             )
         except _Skipped:
             return 0
-        ok = self._usable(keys, buffers, arrived, n)
+        counts = [len(blocks) for blocks in wanted]
+        ok = self._usable(keys, buffers, arrived, counts)
         good = n
-        for s in range(len(self.shares)):
-            flags = ok[s * n : (s + 1) * n]
-            good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+        pos = 0
+        for blocks in wanted:
+            flags = ok[pos : pos + len(blocks)]
+            pos += len(blocks)
+            good = min(good, next((blocks[k] for k, f in enumerate(flags) if not f), n))
         if good == 0:
             return 0
-        for s, share in enumerate(self.shares):
+        for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+            count = sum(1 for i in blocks if i < good)  # blocks ascend: a prefix of rows
+            if count == 0:
+                continue
             size, row = share.plan.page_size, share.plan.value_size
-            rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
+            rows = buffer[offsets[s] : offsets[s] + count * row].view(count, row)
             if rows.device != self._device:  # whole rows: one contiguous host-to-device copy
                 rows = rows.to(self._device, non_blocking=True)
-            index = slot_map[share.plan.group][start : start + good]
+            chunk_slots = slot_map[share.plan.group][start:stop]
+            index = chunk_slots[torch.tensor(blocks[:count], dtype=torch.long)]
             movers[s].scatter(index.to(self._device), rows[:, :size])
-            self.stats.add("loaded", share.plan, good)
+            self.stats.add("loaded", share.plan, count)
         self._sync()
         return good
 
     def _usable(
-        self, keys: Sequence[str], buffers: Sequence[memoryview], arrived: Sequence[bool], n: int
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        arrived: Sequence[bool],
+        counts: Sequence[int],
     ) -> list[bool]:
-        """Per page of a get (``n`` per page kind), whether it arrived whole and verified.
+        """Per page of a get (``counts[s]`` of page kind ``s``, kinds in order), whether it
+        arrived whole and verified.
 
         Every page that arrived is verified, also after the first failure: a bad page
         found now is repaired now, before the save that follows the engine's recompute
@@ -479,8 +515,10 @@ class Connector:
         usable = list(arrived)
         damaged: dict[str, PagePlan] = {}
         unread: dict[str, PagePlan] = {}
-        for s, share in enumerate(self.shares):
-            here = range(s * n, (s + 1) * n)
+        pos = 0
+        for share, count in zip(self.shares, counts):
+            here = range(pos, pos + count)
+            pos += count
             got = [i for i in here if arrived[i]]
             checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
             for i, verified in zip(got, checks):
@@ -600,7 +638,8 @@ class Connector:
         block, a slot outside its group, and one slot named for two different blocks --
         a load would leave only the last of them in it while reporting both loaded, and
         a save would store that slot's bytes under both blocks' keys. (The same block
-        twice in one slot is harmless and allowed.)
+        twice in one slot is harmless and allowed.) ``NO_SLOT`` (-1) is allowed any number
+        of times: the group has no slot for that block.
         """
         groups = [g.index for g in self.layout.groups]
         if isinstance(slots, Mapping):
@@ -622,9 +661,10 @@ class Connector:
                 converted[id(seq)] = _slot_list(seq, g, hashes)
             t, values = converted[id(seq)]
             num_slots = self.layout.group(g).num_slots
-            if values and (min(values) < 0 or max(values) >= num_slots):
+            if values and (min(values) < NO_SLOT or max(values) >= num_slots):
                 raise ArgumentError(
-                    f"layer group {g}: slot out of range [0, {num_slots}): {values[:8]}"
+                    f"layer group {g}: slot out of range [0, {num_slots}) "
+                    f"(or NO_SLOT, {NO_SLOT}): {values[:8]}"
                 )
             out[g] = t
         return out
@@ -657,7 +697,7 @@ def _slot_list(seq: object, g: int, hashes: Sequence[bytes]) -> tuple[torch.Tens
     if len(set(values)) < n:
         owner: dict[int, bytes] = {}
         for i, (slot, h) in enumerate(zip(values, hashes)):
-            if owner.setdefault(slot, h) != h:
+            if slot != NO_SLOT and owner.setdefault(slot, h) != h:
                 raise ArgumentError(
                     f"layer group {g}: slot {slot} is given for two different blocks "
                     f"(block {values.index(slot)} and block {i}); each block needs its own slot"
