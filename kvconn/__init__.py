@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "block_hashes": "kvconn.hashing",
     "KvLayout": "kvconn.layout",
     "LayerGroup": "kvconn.layout",
+    "NO_SLOT": "kvconn.layout",
     "Region": "kvconn.layout",
     "Role": "kvconn.layout",
     "shard_position": "kvconn.layout",
@@ -92,6 +93,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.hashing import adopt_hashes as adopt_hashes
     from kvconn.hashing import block_hashes as block_hashes
     from kvconn.keys import parse_key as parse_key
+    from kvconn.layout import NO_SLOT as NO_SLOT
     from kvconn.layout import KvLayout as KvLayout
     from kvconn.layout import LayerGroup as LayerGroup
     from kvconn.layout import Region as Region

@@ -42,6 +42,7 @@ from kvconn.backend import Backend, ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
+from kvconn.layout import NO_SLOT
 from kvconn.lookup import Lookup, PageKeys, check_hashes
 from kvconn.manifests import ManifestWriter
 from kvconn.movement import PageMover, flat_bytes
@@ -223,7 +224,7 @@ class Connector:
         rank then writes every page it holds that is not stored yet.
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
-        pages = self.owned_pages(hashes, writer_policy)
+        pages = self.owned_pages(hashes, slots_, writer_policy)
         if not pages:
             return SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes))
         try:
@@ -243,16 +244,24 @@ class Connector:
         return self._settle(len(hashes), pages, present, todo, ok_by_key)
 
     def owned_pages(
-        self, hashes: Sequence[bytes], writer_policy: WriterPolicy | str | None = None
+        self,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        writer_policy: WriterPolicy | str | None = None,
     ) -> list[_Page]:
-        """The pages of ``hashes`` this rank writes under the policy, page kind by kind."""
+        """The pages of ``hashes`` this rank writes under the policy, page kind by kind.
+
+        A group's ``NO_SLOT`` for a block (no slot: outside a sliding window) stores
+        nothing of that group for it.
+        """
         policy = self.config.writer_policy
         if writer_policy is not None:
             policy = WriterPolicy.parse(writer_policy)
         pages: list[_Page] = []
         for s, share in enumerate(self.shares):
+            slots_of = slots[share.plan.group].tolist()
             for b, h in enumerate(hashes):
-                if writes(share, h, policy):
+                if slots_of[b] != NO_SLOT and writes(share, h, policy):
                     pages.append(_Page(s, b, share_key(self.prefix, share, h)))
         return pages
 
@@ -520,24 +529,36 @@ class Connector:
         gate: Gate | None,
     ) -> int:
         n = stop - start
+        # Per page kind, the blocks of the chunk (0..n-1) it has a slot for: a group
+        # without a slot for a block (NO_SLOT) neither reads nor needs that page.
+        wanted: list[list[int]] = []
+        for share in self.shares:
+            slots_of = slots[share.plan.group][start:stop].tolist()
+            wanted.append([i for i, slot in enumerate(slots_of) if slot != NO_SLOT])
+        keys = [
+            share_key(self.prefix, share, hashes[start + i])
+            for share, blocks in zip(self.shares, wanted)
+            for i in blocks
+        ]
+        if not keys:
+            return n
         if self.backend.capabilities.borrowed_reads and self.device.type == "cpu":
-            return self._load_borrowed(hashes, start, stop, slots, movers, gate)
+            return self._load_borrowed(start, n, wanted, keys, slots, movers, gate)
         # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
         # A value is a row: the page, then its checksum.
         offsets: list[int] = []
         total = 0
-        for share in self.shares:
+        for share, blocks in zip(self.shares, wanted):
             offsets.append(total)
-            total = _aligned(total + n * share.plan.value_size)
+            total = _aligned(total + len(blocks) * share.plan.value_size)
         buffer, view = take(total)
-        keys: list[str] = []
         buffers: list[memoryview] = []
-        for share, offset in zip(self.shares, offsets):
+        for share, offset, blocks in zip(self.shares, offsets, wanted):
             row = share.plan.value_size
-            for i in range(n):
-                keys.append(share_key(self.prefix, share, hashes[start + i]))
-                buffers.append(view[offset + i * row : offset + (i + 1) * row])
+            buffers.extend(
+                view[offset + k * row : offset + (k + 1) * row] for k in range(len(blocks))
+            )
         # Scratch: staging pages of keys that fail are never scattered (below).
         try:
             statuses = self.calls.call(
@@ -545,32 +566,34 @@ class Connector:
             )
         except Unavailable:
             return 0
-        ok = self._repair.usable(self.shares, keys, buffers, statuses, n)
-        good = n
-        for s in range(len(self.shares)):
-            flags = ok[s * n : (s + 1) * n]
-            good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+        ok = self._repair.usable(self.shares, keys, buffers, statuses, [len(b) for b in wanted])
+        good = _good_prefix(ok, wanted, n)
         if good == 0:
             return 0
         with gate(good) if gate is not None else contextlib.nullcontext(True) as allowed:
             if not allowed:
                 return 0
-            for s, share in enumerate(self.shares):
+            for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+                count = sum(1 for i in blocks if i < good)  # blocks ascend: a prefix of rows
+                if count == 0:
+                    continue
                 size, row = share.plan.page_size, share.plan.value_size
-                rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
+                rows = buffer[offsets[s] : offsets[s] + count * row].view(count, row)
                 if rows.device != self.device:  # whole rows: one contiguous host-to-device copy
                     rows = rows.to(self.device, non_blocking=True)
-                index = slots[share.plan.group][start : start + good]
+                chunk_slots = slots[share.plan.group][start:stop]
+                index = chunk_slots[torch.tensor(blocks[:count], dtype=torch.long)]
                 movers[s].scatter(index.to(self.device), rows[:, :size])
-                self.stats.add("loaded", share.plan, good)
+                self.stats.add("loaded", share.plan, count)
             self._sync()
         return good
 
     def _load_borrowed(
         self,
-        hashes: Sequence[bytes],
         start: int,
-        stop: int,
+        n: int,
+        wanted: Sequence[Sequence[int]],
+        keys: Sequence[str],
         slots: SlotMap,
         movers: Sequence[PageMover],
         gate: Gate | None,
@@ -582,13 +605,10 @@ class Connector:
         (copy into staging, verify, scatter). The store is repaired after the loan ends,
         since a delete may need what the loan holds (LMDB: a remap waits for readers).
         """
-        n = stop - start
-        keys = [
-            share_key(self.prefix, share, hashes[start + i])
-            for share in self.shares
-            for i in range(n)
+        sizes = [
+            share.plan.value_size for share, blocks in zip(self.shares, wanted) for _ in blocks
         ]
-        sizes = [share.plan.value_size for share in self.shares for _ in range(n)]
+        counts = [len(blocks) for blocks in wanted]
         empty = memoryview(b"")
 
         def borrowed() -> tuple[Verdict, int]:
@@ -605,19 +625,20 @@ class Connector:
                     v if v is not None and s is ReadStatus.LOADED else empty
                     for v, s in zip(views, statuses)
                 ]
-                verdict = check(self.shares, keys, pages, statuses, n)
-                good = n
-                for s in range(len(self.shares)):
-                    flags = verdict.usable[s * n : (s + 1) * n]
-                    good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+                verdict = check(self.shares, keys, pages, statuses, counts)
+                good = _good_prefix(verdict.usable, wanted, n)
                 if good:
                     with gate(good) if gate is not None else contextlib.nullcontext(True) as ok:
                         if not ok:
                             return verdict, 0
-                        for s, share in enumerate(self.shares):
-                            index = slots[share.plan.group][start : start + good].tolist()
-                            movers[s].scatter_pages(index, pages[s * n : s * n + good])
-                            self.stats.add("loaded", share.plan, good)
+                        pos = 0
+                        for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+                            count = sum(1 for i in blocks if i < good)
+                            chunk_slots = slots[share.plan.group][start : start + n].tolist()
+                            index = [chunk_slots[i] for i in blocks[:count]]
+                            movers[s].scatter_pages(index, pages[pos : pos + count])
+                            pos += len(blocks)
+                            self.stats.add("loaded", share.plan, count)
                 return verdict, good
 
         try:
@@ -652,6 +673,20 @@ class Connector:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _good_prefix(usable: Sequence[bool], wanted: Sequence[Sequence[int]], n: int) -> int:
+    """Blocks of a chunk before the first page any kind needed and did not get whole.
+
+    ``usable`` holds each kind's pages in turn, one per block in ``wanted[kind]``.
+    """
+    good = n
+    pos = 0
+    for blocks in wanted:
+        flags = usable[pos : pos + len(blocks)]
+        pos += len(blocks)
+        good = min(good, next((blocks[k] for k, ok in enumerate(flags) if not ok), n))
+    return good
 
 
 def _kinds(pages: Sequence[_Page]) -> list[tuple[int, int]]:

@@ -204,18 +204,32 @@ class Region:
         )
 
 
+#: A slot argument of ``save`` / ``load`` meaning "this layer group has no slot for this
+#: block" (vLLM's null block, outside a sliding window): that page is neither saved nor
+#: loaded, and a load does not count it against the block.
+NO_SLOT = -1
+
+
 @dataclass(frozen=True)
 class LayerGroup:
     """Layers that share one block table, hence one slot numbering for all their regions.
 
     The order of ``regions`` is the declared page order: a page is the concatenation of
     the rank's regions of one shard class in exactly this order.
+
+    ``window`` is for sliding-window layers: a reader that resumes after ``N`` blocks
+    needs this group's pages only for the last ``window`` of them, blocks
+    ``[max(0, N - window), N)``, because the layers never attend further back. ``None``
+    (full attention) needs every block. It changes which pages a hit needs, not what a
+    page holds, so it is not part of any key: a windowed reader and a full one share
+    pages.
     """
 
     index: int
     num_slots: int
     regions: tuple[Region, ...]
     name: str = ""
+    window: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.index, "index", "layer group", allow_zero=True)
@@ -228,6 +242,8 @@ class LayerGroup:
                 "without control or invisible characters"
             )
         where = self.label
+        if self.window is not None:
+            _positive_int(self.window, "window (blocks, or None)", where)
         object.__setattr__(self, "regions", _items(self.regions, "regions", where))
         _positive_int(self.num_slots, "num_slots", where)
         if not self.regions:
@@ -327,6 +343,7 @@ class KvLayout:
                     "index": g.index,
                     "num_slots": g.num_slots,
                     "name": g.name,
+                    "window": g.window,
                     "regions": [_record(r) for r in g.regions],
                 }
                 for g in self.groups
@@ -360,7 +377,7 @@ class KvLayout:
             )
             if not isinstance(g["name"], str):
                 raise LayoutError(f"layout.groups[{i}]: name must be a string, got {g['name']!r}")
-            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"]))
+            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"], g["window"]))
         return cls(
             tp_size=doc["tp_size"],
             tokens_per_block=doc["tokens_per_block"],
@@ -376,11 +393,12 @@ class KvLayout:
         raise KeyError(index)
 
 
-#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other.
-LAYOUT_DICT_VERSION = 1
+#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other. Version 2
+#: added each group's ``window``.
+LAYOUT_DICT_VERSION = 2
 _ROLE_FIELDS = ("name", "units", "dtype")
 _REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool")
-_GROUP_FIELDS = ("index", "num_slots", "name", "regions")
+_GROUP_FIELDS = ("index", "num_slots", "name", "window", "regions")
 _LAYOUT_FIELDS = ("version", "tp_size", "tokens_per_block", "roles", "groups", "pool_sizes")
 
 

@@ -38,6 +38,7 @@ from kvconn.plan import (
     RankShare,
     count_prefix_hit,
     lookup_keys,
+    lookup_windows,
     plan_pages,
     rank_shares,
     share_key,
@@ -73,6 +74,8 @@ class PageKeys:
             manifest_key(self.prefix, p.group, p.fingerprint): p.manifest.to_json()
             for p in self.plans
         }
+        #: Each lookup key's window, in :meth:`block_keys` order (None: every block).
+        self.windows = lookup_windows(self.plans)
 
     def block_keys(self, block_hash: bytes) -> list[str]:
         """Keys of every page any rank loads for this block: what a lookup checks."""
@@ -93,8 +96,10 @@ class PageKeys:
         return [share_key(self.prefix, share, digest) for share in self.shares(rank)]
 
     def hit(self, per_block_present: Sequence[Sequence[bool]]) -> int:
-        """Blocks of the longest prefix whose every page is present (DESIGN rule 3)."""
-        return count_prefix_hit(per_block_present)
+        """The hit in blocks from what a lookup found (DESIGN rule 3): the largest N whose
+        every needed page is present, a sliding-window group's pages needed only inside
+        the window that ends at N (``LayerGroup.window``)."""
+        return count_prefix_hit(per_block_present, self.windows)
 
     def key_shapes(self) -> list[str]:
         """The longest key of every shape made here, for a backend's length check."""
@@ -174,7 +179,7 @@ class Lookup:
             self.stats.bump("lookup_errors")
             return LookupResult(0, 0, available=False)
         it = iter(present)
-        blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
+        blocks = self.keys.hit([[next(it) for _ in keys] for keys in per_block])
         return LookupResult(blocks, blocks * self.layout.tokens_per_block)
 
     def close(self) -> None:

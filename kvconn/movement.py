@@ -182,7 +182,6 @@ class PageMover:
             else:
                 view.index_copy_(0, slots, words)
 
-
     def scatter_pages(self, slots: Sequence[int], pages: Sequence[memoryview]) -> None:
         """Write each page (a byte view of ``page_size`` or more) into its slot, on the CPU.
 

@@ -97,6 +97,9 @@ class PagePlan:
     role_bytes: tuple[tuple[str, int], ...]  # bytes of each role in one page
     manifest: PageManifest  # what the fingerprint hashes; stored as the layout manifest
     checksum: PageChecksum  # the trailer after each stored page
+    #: The group's window in blocks (``LayerGroup.window``): which blocks a hit needs
+    #: this page kind for. Not in the fingerprint: it does not change a page's bytes.
+    window: int | None = None
 
     @property
     def value_size(self) -> int:
@@ -143,6 +146,7 @@ def plan_pages(layout: KvLayout, checksum: str = DEFAULT_CHECKSUM) -> tuple[Page
                     role_bytes=tuple(role_bytes.items()),
                     manifest=manifest,
                     checksum=scheme,
+                    window=group.window,
                 )
             )
     return tuple(plans)
@@ -205,14 +209,53 @@ def lookup_keys(
     return per_block
 
 
-def count_prefix_hit(per_block_present: Sequence[Sequence[bool]]) -> int:
-    """Length of the longest prefix of blocks whose every page is present (rule 3)."""
-    hit = 0
-    for present in per_block_present:
-        if not all(present):
-            break
-        hit += 1
-    return hit
+def lookup_windows(plans: Sequence[PagePlan]) -> list[int | None]:
+    """The window (in blocks, or ``None``) of each key :func:`lookup_keys` lists for one
+    block, in the same order: what :func:`count_prefix_hit` needs to apply windows."""
+    return [p.window for p in plans for _ in range(p.shard_class.shard_count)]
+
+
+def count_prefix_hit(
+    per_block_present: Sequence[Sequence[bool]],
+    windows: Sequence[int | None] | None = None,
+) -> int:
+    """The hit in blocks: the largest ``N`` whose every needed page is present (rule 3).
+
+    ``per_block_present[i][j]`` says whether page ``j`` of block ``i`` is stored (the
+    pages of a block in :func:`lookup_keys` order); ``windows[j]`` is page ``j``'s window
+    (:func:`lookup_windows`). A page without a window is needed for every block
+    ``[0, N)``; one with window ``W`` only for ``[max(0, N - W), N)``, so a sliding-window
+    group's evicted early pages do not shorten the hit. Without windows this is the
+    longest prefix of blocks whose every page is present.
+
+    With windows the answer is not a prefix property: ``N`` may be a hit while ``N - 1``
+    is not (a missing windowed page that ``N``'s window has left behind), as in vLLM's
+    own sliding-window cache hit, hence the scan over every ``N``.
+    """
+    if windows is None:
+        hit = 0
+        for present in per_block_present:
+            if not all(present):
+                break
+            hit += 1
+        return hit
+    if any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
+    ):
+        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
+    last_missing = [-1] * len(windows)  # per page: the last block before N without it
+    best = 0
+    for n, present in enumerate(per_block_present, start=1):
+        if len(present) != len(windows):
+            raise ValueError(f"block {n - 1} has {len(present)} pages, windows name {len(windows)}")
+        for j, there in enumerate(present):
+            if not there:
+                last_missing[j] = n - 1
+        if any(last_missing[j] >= 0 for j, w in enumerate(windows) if w is None):
+            break  # a full page is missing: no longer prefix can be a hit either
+        if all(last_missing[j] < max(0, n - w) for j, w in enumerate(windows) if w is not None):
+            best = n
+    return best
 
 
 def share_key(prefix: str, share: RankShare, block_hash: bytes) -> str:

@@ -39,17 +39,18 @@ class PageRepair:
         keys: Sequence[str],
         buffers: Sequence[memoryview],
         statuses: Sequence[ReadStatus],
-        n: int,
+        counts: Sequence[int],
     ) -> list[bool]:
-        """Per page of a read (``n`` per page kind, kinds in ``shares`` order), whether it
-        arrived whole and verified; the store is repaired for the pages that did not.
+        """Per page of a read (``counts[s]`` pages of kind ``s``, kinds in ``shares``
+        order), whether it arrived whole and verified; the store is repaired for the
+        pages that did not.
 
         Every page that arrived is verified, also after the first failure: a bad page
         found now is repaired now, before the save that follows the engine's recompute
         would skip it as already stored. A page the backend could not reach is a miss
         and stays stored: it is not the page's fault.
         """
-        verdict = check(shares, keys, buffers, statuses, n)
+        verdict = check(shares, keys, buffers, statuses, counts)
         self.settle(verdict)
         return verdict.usable
 
@@ -130,17 +131,20 @@ def check(
     keys: Sequence[str],
     buffers: Sequence[memoryview],
     statuses: Sequence[ReadStatus],
-    n: int,
+    counts: Sequence[int],
 ) -> Verdict:
-    """Verify the pages of a read (``n`` per page kind, kinds in ``shares`` order).
+    """Verify the pages of a read (``counts[s]`` pages of kind ``s``, kinds in ``shares``
+    order).
 
     Pure (no backend call), so it can run while a backend lends the bytes
     (``Backend.borrow``) and the repair after the loan ends.
     """
     verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
     usable = verdict.usable
-    for s, share in enumerate(shares):
-        here = range(s * n, (s + 1) * n)
+    pos = 0
+    for share, count in zip(shares, counts):
+        here = range(pos, pos + count)
+        pos += count
         got = [i for i in here if usable[i]]
         checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
         for i, verified in zip(got, checks):

@@ -244,7 +244,7 @@ class TransferService:
                 transfer = Transfer("save", request.tag, len(hashes))
                 transfer._on_done = self._record
                 transfers.append(transfer)
-                pages = conn.owned_pages(hashes, request.writer_policy)
+                pages = conn.owned_pages(hashes, slots, request.writer_policy)
                 parts = list(conn.split_pages(pages))
                 if not parts:
                     transfer._finish(SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes)))

@@ -240,7 +240,11 @@ def _two_pool_layout() -> KvLayout:
     groups = (
         LayerGroup(0, 4, (Region("k", 0, 0, 64, 128, 4), Region("v", 0, 64, 64, 128, 4))),
         LayerGroup(
-            3, 2, (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)), "swa"
+            3,
+            2,
+            (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)),
+            "swa",
+            window=2,
         ),
     )
     return KvLayout(2, 32, roles, groups, (600, 64))
@@ -260,7 +264,9 @@ def test_a_layout_round_trips_through_json_exactly():
     [
         (lambda d: d.pop("tp_size"), r"layout: missing field\(s\) \['tp_size'\]"),
         (lambda d: d.update(pools=[1]), r"unknown field\(s\) \['pools'\]"),
-        (lambda d: d.update(version=2), "version 2 is not 1"),
+        (lambda d: d.update(version=1), "version 1 is not 2"),
+        (lambda d: d["groups"][0].pop("window"), r"groups\[0\]: missing field\(s\) \['window'\]"),
+        (lambda d: d["groups"][1].update(window=0), r"window \(blocks, or None\) must be > 0"),
         (lambda d: d.update(groups={}), "layout.groups: must be a list"),
         (lambda d: d["roles"][0].update(units="2"), "units must be an int"),
         (lambda d: d["groups"][1]["regions"][0].pop("pool"), r"regions\[0\]: missing.*'pool'"),
@@ -274,3 +280,11 @@ def test_a_layout_dict_is_validated_on_the_way_in(edit, message):
     edit(data)
     with pytest.raises(LayoutError, match=message):
         KvLayout.from_dict(data)
+
+
+@pytest.mark.parametrize("window", [0, -2, 1.5, True, "2"])
+def test_a_group_window_is_a_number_of_blocks_or_none(window):
+    with pytest.raises(LayoutError, match=r"layer group 0: window \(blocks, or None\) must"):
+        LayerGroup(0, 4, (_REGION,), window=window)
+    assert LayerGroup(0, 4, (_REGION,), window=3).window == 3
+    assert LayerGroup(0, 4, (_REGION,)).window is None

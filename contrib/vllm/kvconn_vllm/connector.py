@@ -12,6 +12,15 @@ after it, synchronously, both through kvconn's ``Connector``. Blocks that did no
 are reported by ``get_block_ids_with_load_errors``, so vLLM recomputes them (with
 ``kv_load_failure_policy="recompute"``).
 
+Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on, and each of
+its KV-cache groups (full attention, sliding window) is a kvconn layer group; a sliding
+group's null blocks outside its window are kvconn's ``NO_SLOT``. vLLM 0.32 cannot take
+block-level load failures from a model with several groups (the scheduler raises), only
+failed *requests* of an asynchronous load (``failed_recving``). So with several groups
+a hit is announced as an asynchronous load: the worker still loads it synchronously in
+``start_load_kv`` of the next step and reports the request finished, or failed, in the
+same step; vLLM then recomputes a failed request from its first token.
+
 Block hashes are vLLM's own (``request.block_hashes``), adopted under the scheme
 ``vllm:<prefix_caching_hash_algo>``; they reach workers inside the metadata because
 only the scheduler has them.
@@ -30,14 +39,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError
 from kvconn.hashing import adopt_hashes
-from kvconn.layout import KvLayout
+from kvconn.layout import NO_SLOT, KvLayout
+from kvconn_vllm.blocks import BlockTable
 from kvconn_vllm.layout import kv_layout
+from kvconn_vllm.specs import cache_groups, dtype_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,11 +70,17 @@ __all__ = ["KvconnConnector", "KvconnMetadata", "LayoutHandshake", "Transfer"]
 
 @dataclass
 class Transfer:
-    """Blocks of one request to load or save: kvconn digests and vLLM block ids."""
+    """Blocks of one request to load or save: kvconn digests and, per KV-cache group,
+    vLLM block ids (``NO_SLOT`` for a null block: nothing of that group moves).
+
+    ``deferred``: a load vLLM waits for as an asynchronous one, whose failure is
+    reported per request (models with several KV-cache groups).
+    """
 
     req_id: str
     hashes: list[bytes]
-    block_ids: list[int]
+    slots: dict[int, list[int]]
+    deferred: bool = False
 
 
 @dataclass
@@ -81,7 +101,7 @@ class _Tracked:
     """A running request, as the scheduler side follows it."""
 
     request: Request
-    block_ids: list[int]
+    blocks: BlockTable
     saved: int  # leading blocks known to be stored (hit, or saved by an earlier step)
 
 
@@ -104,7 +124,7 @@ def hash_scheme(vllm_config: VllmConfig) -> str:
     return f"vllm:{vllm_config.cache_config.prefix_caching_hash_algo}"
 
 
-class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Select with ``KVTransferConfig(kv_connector="KvconnConnector",
     kv_connector_module_path="kvconn_vllm", kv_connector_extra_config={kvconn config})``.
     """
@@ -113,15 +133,15 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError(
-                f"kvconn's vLLM adapter supports models with one KV cache group; this one "
-                f"has {len(groups)} (hybrid or sliding-window attention)"
-            )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("kvconn's vLLM adapter does not support pipeline parallelism yet")
+        # What kvconn stores, from vLLM's spec objects; refuses what it cannot (Mamba…)
+        self._groups = cache_groups(vllm_config, kv_cache_config)
+        self._group_ids = [g.index for g in self._groups]
+        # vLLM takes load failures of a model with several groups only per request,
+        # from an asynchronous load (module docstring)
+        self._defer_loads = len(self._groups) > 1
         self._config = connector_config(vllm_config)
         self._scheme = hash_scheme(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -137,7 +157,9 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: dict[str, Transfer] = {}
         self._warned_no_layout = False
         # worker side
-        self._failed: set[int] = set()
+        self._failed: set[int] = set()  # block ids of synchronous loads that failed
+        self._recved: set[str] = set()  # deferred loads done this step
+        self._failed_reqs: set[str] = set()  # deferred loads that failed this step
         self._layout: KvLayout | None = None
 
     # ============================================================== worker side
@@ -145,14 +167,13 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         vllm_config = self._vllm_config
-        layer = next(iter(kv_caches))
         layout, pools = kv_layout(
             kv_caches,
+            self._groups,
             num_blocks=self._kv_cache_config.num_blocks,
             block_size=self._block_size,
             tp_size=self._tp_size,
-            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-            dtype_tag=_dtype_tag(vllm_config, layer, kv_caches[layer]),
+            dtype_tags={name: dtype_tag(vllm_config, name, t) for name, t in kv_caches.items()},
         )
         self._layout = layout
         self._conn = Connector(
@@ -166,18 +187,31 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvconnMetadata) and self._conn is not None
         for load in meta.loads:
-            result = self._conn.load(load.hashes, load.block_ids)
-            if result.failed:
-                log.warning(
-                    "kvconn: %d of %d blocks of request %s did not load; vLLM recomputes them",
-                    len(result.failed),
-                    len(load.block_ids),
-                    load.req_id,
+            result = self._conn.load(load.hashes, load.slots)
+            if load.deferred:
+                self._recved.add(load.req_id)
+            if not result.failed:
+                continue
+            log.warning(
+                "kvconn: %d of %d blocks of request %s did not load; vLLM recomputes %s",
+                len(result.failed),
+                len(load.hashes),
+                load.req_id,
+                "the request" if load.deferred else "them",
+            )
+            if load.deferred:
+                self._failed_reqs.add(load.req_id)
+            else:
+                self._failed.update(
+                    slots[i]
+                    for slots in load.slots.values()
+                    for i in result.failed
+                    if slots[i] != NO_SLOT
                 )
-                self._failed.update(load.block_ids[i] for i in result.failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``, before the forward pass starts."""
+        """Loads finish in ``start_load_kv``: before the forward pass for a synchronous
+        load; for a deferred one in a step that does not compute its request."""
 
     def save_kv_layer(
         self,
@@ -194,11 +228,17 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvconnMetadata) and self._conn is not None
         for save in meta.saves:
-            self._conn.save(save.hashes, save.block_ids)
+            self._conn.save(save.hashes, save.slots)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Deferred loads finish in the step that ran them; a failed one is recomputed."""
+        recved, self._recved = self._recved, set()
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return KVConnectorTransferResults(finished_recving=recved, failed_recving=failed)
 
     def shutdown(self) -> None:
         if self._conn is not None:
@@ -233,31 +273,34 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         usable = min(len(hashes), (request.num_tokens - 1) // self._block_size)
         hit = 0
         if usable > done and self._loads_hits:
-            if self._conn is None:
-                if not self._warned_no_layout:
-                    log.warning("kvconn: no layout from the workers yet; serving without it")
-                    self._warned_no_layout = True
-                return 0, False
-            hit = min(self._conn.lookup(hashes[done:usable]).blocks, usable - done)
+            if self._conn is not None:
+                hit = min(self._conn.lookup(hashes[done:usable]).blocks, usable - done)
+            elif not self._warned_no_layout:
+                log.warning("kvconn: no layout from the workers yet; serving without it")
+                self._warned_no_layout = True
         self._hits[request.request_id] = (done, hit)
-        return hit * self._block_size, False
+        return hit * self._block_size, self._defer_loads and hit > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        if req_id not in self._hits and req_id in self._tracked:
+            return  # vLLM's second call, once a deferred load is done: nothing new
         done, hit = self._hits.pop(req_id, (0, 0))
-        block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens > 0:
             count = num_external_tokens // self._block_size
+            table = self._block_table()
+            table.replace(blocks.get_block_ids())
             self._loads[req_id] = Transfer(
                 req_id,
                 self._hashes(request)[done : done + count],
-                block_ids[done : done + count],
+                table.slots(done, done + count),
+                deferred=self._defer_loads,
             )
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
-        self._tracked[req_id] = _Tracked(request, [], done + hit)
+        self._tracked[req_id] = _Tracked(request, self._block_table(), done + hit)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvconnMetadata:
         meta = KvconnMetadata(loads=list(self._loads.values()))
@@ -266,7 +309,7 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.blocks.replace(new.block_ids)
                 computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -275,9 +318,9 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
-            elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
+                tracked.blocks.replace(new_ids)
+            else:
+                tracked.blocks.extend(new_ids)
             computed[req_id] = cached.num_computed_tokens[i]
         if not self._saves_blocks:
             return meta
@@ -285,13 +328,13 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked = self._tracked[req_id]
             after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             hashes = self._hashes(tracked.request)
-            full = min(after // self._block_size, len(hashes), len(tracked.block_ids))
+            full = min(after // self._block_size, len(hashes), len(tracked.blocks))
             if full > tracked.saved:
                 meta.saves.append(
                     Transfer(
                         req_id,
                         hashes[tracked.saved : full],
-                        tracked.block_ids[tracked.saved : full],
+                        tracked.blocks.slots(tracked.saved, full),
                     )
                 )
                 tracked.saved = full
@@ -301,20 +344,31 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Blocks that failed to load are recomputed by vLLM: save them once they are."""
         invalid = connector_output.invalid_block_ids
         if not invalid:
-            return
+            return  # (vLLM reports them only for a model with one KV-cache group)
         for tracked in self._tracked.values():
-            for i, block_id in enumerate(tracked.block_ids[: tracked.saved]):
-                if block_id in invalid:
-                    tracked.saved = i
-                    break
+            first = tracked.blocks.first_in(self._group_ids[0], invalid, tracked.saved)
+            if first is not None:
+                tracked.saved = first
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
+        self._forget(request.request_id)
+        return False, None  # saves are synchronous: vLLM may free the blocks now
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of ``request_finished`` on an ``SupportsHMA`` connector."""
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
         for table in (self._hits, self._adopted, self._tracked, self._loads):
             table.pop(req_id, None)
-        return False, None  # saves are synchronous: vLLM may free the blocks now
+
+    def _block_table(self) -> BlockTable:
+        return BlockTable(self._group_ids, NULL_BLOCK_ID)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -327,15 +381,3 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if len(engine) > len(adopted):
             adopted.extend(adopt_hashes(self._scheme, engine[len(adopted) :]))
         return adopted
-
-
-def _dtype_tag(vllm_config: VllmConfig, layer: str, tensor: torch.Tensor) -> str:
-    """What an element is and who arranged the block: ``bfloat16+CPU_ATTN``."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    element = str(tensor.dtype).removeprefix("torch.")
-    if cache_dtype != "auto":
-        element = f"{element}:{cache_dtype}"
-    context = vllm_config.compilation_config.static_forward_context
-    backend = getattr(context.get(layer), "attn_backend", None)
-    name = backend.get_name() if backend is not None else "unknown"
-    return f"{element}+{name}"

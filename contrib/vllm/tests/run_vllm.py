@@ -3,9 +3,12 @@
 ``python run_vllm.py --model DIR --store DIR --tp N`` generates the same prompt twice
 (greedy, with logprobs) through one ``LLM`` whose own prefix cache is off, so every
 cached token of the second run came from kvconn, and prints the outputs as one JSON
-line. ``--drop-on-third`` runs it a third time after asking the test backend to delete
-a page between lookup and load. vLLM starts worker processes, hence the ``__main__``
-guard.
+line. ``--marker RUN:NAME[:TEXT]`` writes a file that arms the test backend
+(``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based), running the
+prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
+
+The tiny random models are made here too (``MODELS``), with the geometries vLLM's CPU
+backends accept: head_dim 64 for K/V attention, an MLA latent of 576 (512 + 64).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,97 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+def make_tiny_deepseek_v2(path: str, seed: int = 0) -> None:
+    """A random 2-layer DeepSeek-V2 (MLA: a 576-element latent per token, 4 heads)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=100,
+        max_position_embeddings=1024,
+    )
+    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+#: Layers of the tiny Gemma-3 with a sliding window (the others attend to everything).
+GEMMA3_SLIDING_LAYERS = (0, 2)
+
+
+def make_tiny_gemma3(path: str, seed: int = 0) -> None:
+    """A random 4-layer Gemma-3: sliding-window (64 tokens) and full attention layers."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=1024,
+    )
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+def make_tiny_qwen3_next(path: str, seed: int = 0) -> None:
+    """A random 2-layer Qwen3-Next: one linear-attention (Gated DeltaNet) layer, one full."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts_per_tok=2,
+        num_experts=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    Qwen3NextForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+#: Model name -> maker(path).
+MODELS: dict[str, Callable[[str], None]] = {
+    "llama-1kv": lambda path: make_tiny_llama(path, 1),
+    "llama-2kv": lambda path: make_tiny_llama(path, 2),
+    "deepseek-v2": make_tiny_deepseek_v2,
+    "gemma3": make_tiny_gemma3,
+    "qwen3-next": make_tiny_qwen3_next,
+}
+
+
 def prompt_tokens(n: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(n)]
@@ -47,8 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    Path(args.store).mkdir(parents=True, exist_ok=True)
     kvconn = {
-        "model": "tiny-llama-test",
+        "model": f"tiny-{Path(args.model).name}",
         "backend": "lmdb",
         "options": {"path": args.store, "map_size": 64 * 2**20},
     }
@@ -59,26 +155,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         skip_tokenizer_init=True,
         tensor_parallel_size=args.tp,
         dtype="float32",
-        block_size=32,
+        block_size=args.block_size or None,  # 0: vLLM's choice (CPU MLA forces 16)
+        # vLLM prefers its AMX MLA backend where the CPU has AMX, which needs bf16
+        # weights; the reference CPU_MLA backend runs float32 on any x86 CPU
+        attention_config={"backend": args.attention_backend} if args.attention_backend else None,
         max_model_len=512,
         max_num_seqs=4,
         enable_prefix_caching=False,  # every cached token must come from kvconn
         enforce_eager=True,  # no torch.compile: start-up in seconds, not a minute
         disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvconnConnector",
-            kv_connector_module_path="kvconn_vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=kvconn,
+        kv_transfer_config=(
+            KVTransferConfig(
+                kv_connector="KvconnConnector",
+                kv_connector_module_path="kvconn_vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=kvconn,
+            )
+            if args.connector == "kvconn"
+            else KVTransferConfig(  # vLLM's own reference connector: files per layer
+                kv_connector="ExampleConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"shared_storage_path": args.store},
+            )
         ),
     )
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, detokenize=False)
     prompt = TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens))
+    markers: dict[int, list[tuple[str, str]]] = {}
+    for spec in args.marker:
+        run_number, name, *text = spec.split(":", 2)
+        markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
-    for n in range(3 if args.drop_on_third else 2):
-        if n == 2:
-            Path(args.store, "drop-next-load").touch()  # read by kvconn_test_drop
+    for n in range(1, max([2, *markers]) + 1):
+        for name, text in markers.get(n, []):
+            Path(args.store, name).write_text(text)  # read by kvconn_test_drop
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         completion = out.outputs[0]
         runs.append(
@@ -101,12 +212,11 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--drop-on-third", action="store_true")
-    parser.add_argument("--make-model-kv-heads", type=int, default=None)
+    parser.add_argument("--connector", choices=("kvconn", "example"), default="kvconn")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--marker", action="append", default=[], metavar="RUN:NAME[:TEXT]")
     args = parser.parse_args()
-    if args.make_model_kv_heads is not None:
-        make_tiny_llama(args.model, args.make_model_kv_heads)
-        return
     print("RESULT " + json.dumps(run(args)), flush=True)
 
 

@@ -1,4 +1,8 @@
-"""How vLLM's per-layer KV tensors become a kvconn layout (torch only, no engine)."""
+"""How vLLM's per-layer KV tensors become a kvconn layout (torch only, no engine).
+
+What each layer holds comes as plain ``CacheGroup`` data here; ``test_vllm_specs.py``
+derives it from vLLM's own spec objects and allocation.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from kvconn.connector import Connector
 from kvconn.errors import LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import KvLayout
-from kvconn_vllm.layout import kv_layout, layer_index
+from kvconn.plan import plan_pages
+from kvconn_vllm.layout import CacheGroup, LayerBytes, kv_layout, layer_index
 
 BLOCKS, BS, HEADS, DIM = 6, 32, 2, 64
 
@@ -26,14 +31,18 @@ def cpu_caches(layers: int = 2, heads: int = HEADS) -> dict[str, torch.Tensor]:
     }
 
 
-def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS):
+def one_group(names, role: str = "kv", units: int = HEADS, index: int = 0, window=None):
+    return CacheGroup(index, tuple((n, LayerBytes(role, units)) for n in names), window)
+
+
+def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS, groups=None):
     return kv_layout(
         caches,
+        groups or [one_group(caches, units=heads)],
         num_blocks=BLOCKS,
         block_size=BS,
         tp_size=tp,
-        total_kv_heads=heads,
-        dtype_tag="float32+CPU_ATTN",
+        dtype_tags=dict.fromkeys(caches, "float32+CPU_ATTN"),
     )
 
 
@@ -98,19 +107,59 @@ def test_a_tensor_of_an_unknown_form_is_a_layout_error(shape, message):
     with pytest.raises(LayoutError, match=message):
         kv_layout(
             {"layers.0.attn": torch.zeros(shape)},
+            [one_group(["layers.0.attn"])],
             num_blocks=num_blocks,
             block_size=BS,
             tp_size=1,
-            total_kv_heads=HEADS,
-            dtype_tag="x",
+            dtype_tags={"layers.0.attn": "x"},
         )
 
 
-def test_layers_of_different_block_shapes_are_refused():
+def test_layers_of_one_role_with_different_block_shapes_are_refused():
     caches = cpu_caches()
     caches["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, 1, BS, 2 * DIM)
-    with pytest.raises(LayoutError, match="block shape"):
+    with pytest.raises(LayoutError, match="layers of one role must share a geometry"):
         describe(caches)
+
+
+def test_an_mla_latent_is_a_replicated_role_so_one_page_per_block_at_any_tp():
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, 1, 16, 576) for i in (0, 1)}
+    for tp in (1, 2, 8):
+        layout, _ = describe(caches, tp=tp, groups=[one_group(caches, "latent", 1)])
+        assert [(r.name, r.units) for r in layout.roles] == [("latent", 1)]
+        (plan,) = plan_pages(layout)
+        assert plan.shard_class.replicated and plan.page_size == 2 * 16 * 576 * 4
+
+
+def test_groups_that_share_memory_are_described_over_a_pool_each():
+    """vLLM's hybrid allocator lays its KV-cache groups over one buffer: layer 0 (group 0)
+    and layer 1 (group 1) are the same bytes, each block id owned by one group at a time.
+    Each group gets its own pool index over that memory, so both layers have regions
+    and kvconn's overlap check still holds inside each group."""
+    buffer = torch.randn(2, BLOCKS, HEADS, BS, 2 * DIM)
+    caches = {
+        "layers.0.attn": buffer[0],
+        "layers.2.attn": buffer[1],
+        "layers.1.attn": buffer[0],
+        "layers.3.attn": buffer[1],
+    }
+    groups = [
+        one_group(["layers.0.attn", "layers.2.attn"], index=0, window=2),
+        one_group(["layers.1.attn", "layers.3.attn"], index=1),
+    ]
+    layout, pools = describe(caches, groups=groups)
+    assert [(g.index, g.window, [r.layer for r in g.regions]) for g in layout.groups] == [
+        (0, 2, [0, 2]),
+        (1, None, [1, 3]),
+    ]
+    assert [r.pool for g in layout.groups for r in g.regions] == [0, 0, 1, 1]
+    assert len(pools) == 2 and pools[0].data_ptr() == pools[1].data_ptr()
+
+
+def test_a_group_layer_without_a_tensor_is_a_layout_error():
+    groups = [one_group(["model.layers.0.self_attn.attn", "model.layers.9.self_attn.attn"])]
+    with pytest.raises(LayoutError, match=r"'model.layers.9.self_attn.attn' of KV cache group 0"):
+        describe(cpu_caches(), groups=groups)
 
 
 def test_layer_numbers_come_from_the_name_or_else_the_position():

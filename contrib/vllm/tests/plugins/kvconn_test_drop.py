@@ -1,8 +1,15 @@
-"""A real third-party kvconn backend, found through its entry point, for one test.
+"""A real third-party kvconn backend, found through its entry point, for the tests.
 
-LMDB, except that when the file ``drop-next-load`` exists in the store directory the
-next load first deletes the second page it asks for (and the file): a page evicted
-between the scheduler's lookup and the worker's load, in vLLM's own worker process.
+LMDB, with two ways for a test to remove a page while vLLM runs, each armed by a file
+in the store directory (and disarmed when used):
+
+* ``drop-next-load``: the next load first deletes the second page it asks for -- a
+  page evicted between the scheduler's lookup and the worker's load, in vLLM's own
+  worker process;
+* ``drop-at-lookup``, holding layer numbers (``0,2``): the next lookup first deletes
+  the first page it asks for of the layer group that holds exactly those layers (found
+  from the stored layout manifests) -- for a sliding-window group, the page of the
+  prompt's first block, which falls outside the window of a longer hit.
 """
 
 from __future__ import annotations
@@ -11,7 +18,11 @@ from collections.abc import Sequence
 
 from kvconn_lmdb import LmdbBackend
 
+from kvconn.plan import PageManifest
+from kvconn.tools.inspect_store import parse_key, parse_manifest_key
+
 MARKER = "drop-next-load"
+LOOKUP_MARKER = "drop-at-lookup"
 
 
 class DropOnLoadBackend(LmdbBackend):
@@ -23,3 +34,27 @@ class DropOnLoadBackend(LmdbBackend):
             marker.unlink()
             self._delete([keys[1]])
         return super()._get(keys, buffers, scratch=scratch)
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        marker = self.path / LOOKUP_MARKER
+        if marker.exists():
+            layers = {int(n) for n in marker.read_text().split(",")}
+            group = self._group_of(layers)
+            first = next((k for k in keys if (p := parse_key(k)) and p.group == group), None)
+            if first is not None:
+                marker.unlink()
+                self._delete([first])
+        return super()._exists(keys)
+
+    def _group_of(self, layers: set[int]) -> int | None:
+        """The layer group whose stored manifest names exactly ``layers``."""
+        for key, size in list(self._list("")):
+            parsed = parse_manifest_key(key)
+            if parsed is None:
+                continue
+            buffer = bytearray(size)
+            if self._get([key], [memoryview(buffer)], scratch=False)[0]:
+                manifest = PageManifest.from_json(buffer)
+                if {layer for layer, _, _ in manifest.regions} == layers:
+                    return parsed.group
+        return None
