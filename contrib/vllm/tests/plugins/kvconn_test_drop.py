@@ -14,12 +14,13 @@ in the store directory (and disarmed when used):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from kvconn_lmdb import LmdbBackend
 
-from kvconn.plan import PageManifest
-from kvconn.tools.inspect_store import parse_key, parse_manifest_key
+from kvconn.keys import parse_key, parse_manifest_key
+from kvconn.manifest import PageManifest
 
 MARKER = "drop-next-load"
 LOOKUP_MARKER = "drop-at-lookup"
@@ -28,12 +29,21 @@ LOOKUP_MARKER = "drop-at-lookup"
 class DropOnLoadBackend(LmdbBackend):
     name = "lmdb-drop-on-load"
 
-    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+    def _drop_if_armed(self, keys: list[str]) -> None:
         marker = self.path / MARKER
         if len(keys) > 1 and marker.exists():
             marker.unlink()
             self._delete([keys[1]])
+
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        self._drop_if_armed(keys)
         return super()._get(keys, buffers, scratch=scratch)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._drop_if_armed(keys)  # loads from LMDB borrow the stored values
+        return super()._borrow(keys)
 
     def _exists(self, keys: list[str]) -> Sequence[bool]:
         marker = self.path / LOOKUP_MARKER
