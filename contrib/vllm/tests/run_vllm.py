@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,6 @@ def prompt_tokens(n: int, seed: int = 1) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     Path(args.store).mkdir(parents=True, exist_ok=True)
@@ -160,26 +160,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # weights; the reference CPU_MLA backend runs float32 on any x86 CPU
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
         max_model_len=512,
-        max_num_seqs=4,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_blocks or None,  # few blocks: reuse, preemption
         enable_prefix_caching=False,  # every cached token must come from kvconn
         enforce_eager=True,  # no torch.compile: start-up in seconds, not a minute
         disable_log_stats=False,
-        kv_transfer_config=(
-            KVTransferConfig(
-                kv_connector="KvconnConnector",
-                kv_connector_module_path="kvconn_vllm",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=kvconn,
-            )
-            if args.connector == "kvconn"
-            else KVTransferConfig(  # vLLM's own reference connector: files per layer
-                kv_connector="ExampleConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"shared_storage_path": args.store},
-            )
-        ),
+        kv_transfer_config=transfer_config(args, kvconn),
     )
+    if args.workload == "concurrent":
+        return concurrent(llm, args)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, detokenize=False)
     prompt = TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens))
     markers: dict[int, list[tuple[str, str]]] = {}
@@ -188,21 +177,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
     for n in range(1, max([2, *markers]) + 1):
+        if n > 1 and args.connector == "kvconn":
+            settle(args.store)
         for name, text in markers.get(n, []):
             Path(args.store, name).write_text(text)  # read by kvconn_test_drop
+        started = time.monotonic()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        completion = out.outputs[0]
-        runs.append(
-            {
-                "token_ids": list(completion.token_ids),
-                "logprobs": [
-                    {str(t): lp.logprob for t, lp in sorted(step.items())}
-                    for step in completion.logprobs or []
-                ],
-                "num_cached_tokens": out.num_cached_tokens,
-            }
-        )
+        runs.append({**completion(out), "seconds": time.monotonic() - started})
+        Path(args.store, "stall").unlink(missing_ok=True)  # a stall lasts one run
     return {"runs": runs}
+
+
+def transfer_config(args: argparse.Namespace, kvconn: dict[str, Any]) -> Any:
+    """kvconn, vLLM's own reference connector (files per layer), or none."""
+    from vllm.config import KVTransferConfig
+
+    if args.connector == "none":
+        return None
+    if args.connector == "example":
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.store},
+        )
+    return KVTransferConfig(
+        kv_connector="KvconnConnector",
+        kv_connector_module_path="kvconn_vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=kvconn,
+    )
+
+
+def completion(out: Any) -> dict[str, Any]:
+    done = out.outputs[0]
+    return {
+        "token_ids": list(done.token_ids),
+        "logprobs": [
+            {str(t): lp.logprob for t, lp in sorted(step.items())} for step in done.logprobs or []
+        ],
+        "num_cached_tokens": out.num_cached_tokens,
+    }
+
+
+def concurrent(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``--requests`` prompts sharing a prefix, generated together (one batch, so vLLM
+    interleaves them, preempts them when ``--num-blocks`` is short, and hands the
+    blocks of finished ones to the others at once); then the saves are let land."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    shared = prompt_tokens(args.prompt_tokens)
+    prompts = [
+        TokensPrompt(prompt_token_ids=shared + prompt_tokens(args.own_tokens, seed=100 + i))
+        for i in range(args.requests)
+    ]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, logprobs=3, detokenize=False
+    )
+    started = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.monotonic() - started
+    settle(args.store)
+    preemptions = sum(
+        int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+    )
+    return {
+        "requests": [completion(out) for out in outs],
+        "seconds": seconds,
+        "preemptions": preemptions,
+    }
+
+
+def settle(store: str, quiet_s: float = 0.5, limit_s: float = 30.0) -> None:
+    """Wait until the store stops growing: saves land in the background now, after the
+    request that made them has finished, and the next run should find them."""
+    from kvconn_lmdb import LmdbBackend
+
+    deadline = time.monotonic() + limit_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        backend = LmdbBackend(store)
+        try:
+            count = sum(1 for _ in backend.list_keys())
+        finally:
+            backend.close()
+        if count != last:
+            last, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -212,10 +276,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--connector", choices=("kvconn", "example"), default="kvconn")
+    parser.add_argument("--connector", choices=("kvconn", "example", "none"), default="kvconn")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--marker", action="append", default=[], metavar="RUN:NAME[:TEXT]")
+    parser.add_argument("--workload", choices=("repeat", "concurrent"), default="repeat")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--own-tokens", type=int, default=36)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--num-blocks", type=int, default=0)
     args = parser.parse_args()
     print("RESULT " + json.dumps(run(args)), flush=True)
 

@@ -15,6 +15,7 @@ in the store directory (and disarmed when used):
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 from kvconn_lmdb import LmdbBackend
@@ -68,3 +69,43 @@ class DropOnLoadBackend(LmdbBackend):
                 if {layer for layer, _, _ in manifest.regions} == layers:
                     return parsed.group
         return None
+
+
+#: Seconds every put of ``lmdb-slow`` takes (its saves are still in flight when their
+#: requests finish and vLLM hands their blocks to others).
+SLOW_PUT_S = 0.3
+#: While this file exists in the store directory, every call of ``lmdb-stall`` hangs
+#: (a server that accepts and never answers), up to ``STALL_S``.
+STALL_MARKER = "stall"
+STALL_S = 120.0
+
+
+class SlowPutBackend(LmdbBackend):
+    name = "lmdb-slow"
+
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        time.sleep(SLOW_PUT_S)
+        return super()._put(keys, values)
+
+
+class StallingBackend(LmdbBackend):
+    name = "lmdb-stall"
+
+    def _stall(self) -> None:
+        deadline = time.monotonic() + STALL_S
+        while (self.path / STALL_MARKER).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        self._stall()
+        return super()._exists(keys)
+
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        self._stall()
+        return super()._put(keys, values)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._stall()
+        return super()._borrow(keys)
