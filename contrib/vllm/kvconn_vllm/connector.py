@@ -348,10 +348,12 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if req_id not in self._hits and req_id in self._tracked:
             return  # vLLM's second call, once a deferred load is done: nothing new
         done, hit = self._hits.pop(req_id, (0, 0))
+        # The blocks vLLM allocated: a load goes into them, and a load that fails is
+        # found by them (update_connector_output) before the request is scheduled.
+        table = self._block_table()
+        table.replace(blocks.get_block_ids())
         if num_external_tokens > 0:
             count = num_external_tokens // self._block_size
-            table = self._block_table()
-            table.replace(blocks.get_block_ids())
             self._loads[req_id] = Transfer(
                 req_id,
                 self._hashes(request)[done : done + count],
@@ -360,7 +362,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
         before = self._tracked.get(req_id)  # a preempted request, resumed
-        tracked = _Tracked(request, self._block_table(), done + hit, done)
+        tracked = _Tracked(request, table, done + hit, done)
         # Saves handed over before the preemption still make request_finished hold its
         # blocks: the workers report it only then, and both sides must agree.
         tracked.saves_sent = before is not None and before.saves_sent
