@@ -48,26 +48,40 @@ class PageRepair:
         would skip it as already stored. A page the backend could not reach is a miss
         and stays stored: it is not the page's fault.
         """
+        plans = [share.plan for share in shares for _ in range(n)]
+        return self.usable_pages(plans, keys, buffers, statuses)
+
+    def usable_pages(
+        self,
+        plans: Sequence[PagePlan],
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        statuses: Sequence[ReadStatus],
+    ) -> list[bool]:
+        """:meth:`usable` for pages of any kinds in any order: ``plans[i]`` is page
+        ``i``'s kind (a striped read takes a different number of pages of each kind)."""
         usable = [s is ReadStatus.LOADED for s in statuses]
         damaged: dict[str, PagePlan] = {}
         unread: dict[str, PagePlan] = {}
         unreachable: dict[PagePlan, int] = {}
-        for s, share in enumerate(shares):
-            here = range(s * n, (s + 1) * n)
-            got = [i for i in here if usable[i]]
-            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+        # by identity: hashing a plan hashes all of its regions, once per page
+        arrived: dict[int, tuple[PagePlan, list[int]]] = {}
+        for i, plan in enumerate(plans):
+            if usable[i]:
+                arrived.setdefault(id(plan), (plan, []))[1].append(i)
+        for plan, got in arrived.values():
+            checks = plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
             for i, verified in zip(got, checks):
                 if not verified:
                     usable[i] = False
-                    damaged[keys[i]] = share.plan
-            for i in here:
-                status = statuses[i]
-                if status is ReadStatus.WRONG_SIZE:
-                    damaged[keys[i]] = share.plan
-                elif status is ReadStatus.FAILED:
-                    unread[keys[i]] = share.plan
-                elif status is ReadStatus.UNREACHABLE:
-                    unreachable[share.plan] = unreachable.get(share.plan, 0) + 1
+                    damaged[keys[i]] = plan
+        for i, (plan, status) in enumerate(zip(plans, statuses)):
+            if status is ReadStatus.WRONG_SIZE:
+                damaged[keys[i]] = plan
+            elif status is ReadStatus.FAILED:
+                unread[keys[i]] = plan
+            elif status is ReadStatus.UNREACHABLE:
+                unreachable[plan] = unreachable.get(plan, 0) + 1
         for plan, count in unreachable.items():
             self.calls.stats.add("unreachable", plan, count)
         if damaged or unread:
