@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 
 T = TypeVar("T")
 
@@ -54,6 +54,13 @@ class TimedBackend(Backend):
     ) -> list[bool]:
         return self._timed(lambda: self.inner.get(keys, buffers, scratch=scratch))
 
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, scratch: bool = False
+    ) -> list[ReadStatus]:
+        # What loads call: timed here, and answered by the inner backend, which tells
+        # a wrong size or an unreachable holder from a miss where it can.
+        return self._timed(lambda: self.inner.read(keys, buffers, scratch=scratch))
+
     def delete(self, keys: Sequence[str]) -> list[bool]:
         return self._timed(lambda: self.inner.delete(keys))
 
@@ -68,6 +75,11 @@ class TimedBackend(Backend):
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         return self.inner._get(keys, buffers, scratch=scratch)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        return self.inner._read_status(keys, buffers, scratch=scratch)
 
     def register_buffer(self, buffer: memoryview) -> None:
         self.inner.register_buffer(buffer)
