@@ -62,7 +62,7 @@ from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_o
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
-from kvconn.striped_load import StripedLoad
+from kvconn.striped_load import Gate, StripedLoad, Take
 
 __all__ = [
     "CapturedPages",
@@ -74,11 +74,6 @@ __all__ = [
     "Slots",
 ]
 
-#: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
-Take = Callable[[int], tuple[torch.Tensor, memoryview]]
-#: Entered with a chunk's block count just before its bytes are scattered into slots;
-#: yields whether they may be (a cancelled asynchronous load writes nothing more).
-Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,9 @@ log = logging.getLogger("kvconn")
 
 #: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
 Take = Callable[[int], tuple[torch.Tensor, memoryview]]
+#: Entered with a chunk's block count just before its bytes are scattered into slots;
+#: yields whether they may be (a cancelled asynchronous load writes nothing more).
+#: Entered with 0 blocks, it only asks whether the load is still wanted.
 Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 #: Where each page kind's rows start in staging, as in an unstriped load.
