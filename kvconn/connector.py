@@ -27,11 +27,20 @@ Threads: one connector may be called from several threads at once (SGLang asks
 buffer; counters and back-off change under locks; calls to a backend that does not
 declare ``Capabilities.thread_safe`` are serialized (:mod:`kvconn.calls`).
 ``register_pools`` and ``close`` are not meant to race with transfers.
+
+TP group (optional): a connector given the engine's TP ranks as a ``torch.distributed``
+process group (``group=``) reads each page that several ranks hold once per group and
+passes it to the other ranks over the group (:mod:`kvconn.striped_load`); loads then
+report the same blocks loaded and failed on every rank. Its loads are collective: every
+rank must make the same loads in the same order (engines do: the scheduler's metadata
+names them), one at a time. Building such a connector is collective too: the ranks
+check, once, that they agree on the layout and the chunking of loads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +51,7 @@ from kvconn.backend import Backend, ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
+from kvconn.group import TpGroup
 from kvconn.layout import NO_SLOT
 from kvconn.lookup import Lookup, PageKeys, check_hashes
 from kvconn.manifests import ManifestWriter
@@ -53,6 +63,7 @@ from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_o
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
+from kvconn.striped_load import Gate, StripedLoad, Take
 
 __all__ = [
     "CapturedPages",
@@ -64,11 +75,6 @@ __all__ = [
     "Slots",
 ]
 
-#: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
-Take = Callable[[int], tuple[torch.Tensor, memoryview]]
-#: Entered with a chunk's block count just before its bytes are scattered into slots;
-#: yields whether they may be (a cancelled asynchronous load writes nothing more).
-Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,10 @@ class Connector:
     Without pools it still answers :meth:`lookup`, which needs only the layout's
     geometry; a scheduler that never holds KV tensors should use the torch-free
     :class:`kvconn.lookup.Lookup` instead.
+
+    ``group``: the engine's TP ranks as a ``torch.distributed`` process group (kvconn's
+    own, ranks in TP-rank order; gloo, or NCCL for pools on the GPU) to stripe loads
+    over (module docstring); without one every rank reads every page it loads.
     """
 
     def __init__(
@@ -113,6 +123,7 @@ class Connector:
         rank: int = 0,
         pools: Sequence[torch.Tensor] | None = None,
         backend: Backend | None = None,
+        group: Any = None,
     ) -> None:
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
@@ -148,8 +159,46 @@ class Connector:
         self.device = torch.device("cpu")
         self._staging = StagingPool(self.backend, pin=False, guard=self.calls.guard)
         self.closed = False
+        #: The TP group loads stripe their reads over (module docstring), or None.
+        self.group: TpGroup | None = None
+        self._striped: StripedLoad | None = None
+        if group is not None:
+            self._join(group)
         if pools is not None:
             self.register_pools(pools)
+
+    def _join(self, group: Any) -> None:
+        """Take ``group`` for striped loads, once every rank agrees on what loads are.
+
+        Collective (every rank builds its connector): the ranks compare their TP rank,
+        their page kinds and key prefix, and the chunking of a load, which must be the
+        same everywhere for the ranks to meet in each chunk's collectives.
+        """
+        tp = TpGroup(group, rank=self.rank, tp_size=self.layout.tp_size)
+        kinds = "|".join([self.prefix, *(p.fingerprint for p in self.plans)])
+        digest = int.from_bytes(hashlib.blake2b(kinds.encode(), digest_size=7).digest(), "little")
+        chunk = self._load_chunk_blocks()
+        rank_ok, digests, chunks = tp.check([int(tp.group_rank == self.rank), digest, chunk])
+        if rank_ok != (1, 1):
+            raise ConfigError(
+                "the group's ranks are not the TP ranks in order (a connector of TP rank "
+                f"{self.rank} is rank {tp.group_rank} of its group): hand kvconn a group of "
+                "exactly the TP ranks, in TP-rank order"
+            )
+        if digests[0] != digests[1]:
+            raise ConfigError(
+                "the ranks of the group have different layouts, models or namespaces; "
+                "striped loads need one configuration and layout on every rank"
+            )
+        if chunks[0] != chunks[1]:
+            raise ConfigError(
+                f"the ranks of the group chunk loads differently ({chunks[0]} to {chunks[1]} "
+                "blocks): give every rank the same staging_bytes"
+            )
+        self.group = tp
+        self._striped = StripedLoad(
+            tp, self.shares, self.prefix, self.calls, self._repair, self.stats, self._sync
+        )
 
     # ------------------------------------------------------------------ setup
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
@@ -177,6 +226,12 @@ class Connector:
                 flats.append(flat_bytes(pool))
             except ValueError as exc:
                 raise LayoutError(f"pool {i}: {exc}") from None
+        group = self.group
+        if group is not None and group.device.type != "cpu" and pools[0].device != group.device:
+            raise LayoutError(
+                f"the group ({group.backend}) moves pages on {group.device}, "
+                f"the pools are on {pools[0].device}"
+            )
         self.device = pools[0].device
         self.pools = list(pools)
         self._movers = [
@@ -492,9 +547,10 @@ class Connector:
         are no longer needed. ``gate`` is entered before bytes are scattered into slots:
         a load cancelled meanwhile (the engine gave up on it) writes nothing more.
         """
+        if self._striped is not None and not _has_no_slot(slots):
+            return self._load_striped(self._striped, hashes, slots, take, gate, done)
         movers = self._require_pools()
-        per_block = sum(sh.plan.value_size for sh in self.shares)
-        chunk = self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
+        chunk = self._load_chunk_blocks()
         loaded = 0
         for start in range(0, len(hashes), chunk):
             stop = min(start + chunk, len(hashes))
@@ -506,16 +562,61 @@ class Connector:
             loaded += good
             if start + good < stop:
                 break
-        failed = tuple(range(loaded, len(hashes)))
+        return self._loaded(loaded, len(hashes))
+
+    def _loaded(self, loaded: int, blocks: int) -> LoadResult:
+        failed = tuple(range(loaded, blocks))
         if failed:
             for share in self.shares:
                 self.stats.add("failed", share.plan, len(failed))
         return LoadResult(loaded, failed)
 
+    def _load_striped(
+        self,
+        striped: StripedLoad,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        take: Take | None,
+        gate: Gate | None,
+        done: Callable[[], None] | None,
+    ) -> LoadResult:
+        """:meth:`load_into` over the group: chunk by chunk, all ranks in step.
+
+        Every rank runs the same chunks, and stops after the same one: the first whose
+        agreed good prefix is short (a cancelled load makes its next agreement short).
+        """
+        movers = self._require_pools()
+        chunk = self._load_chunk_blocks()
+        loaded = 0
+        with striped.group.lock:
+            for start in range(0, len(hashes), chunk):
+                stop = min(start + chunk, len(hashes))
+                try:
+                    good = striped.chunk(
+                        hashes, start, stop, slots, movers, take, gate, self.device
+                    )
+                finally:
+                    if done is not None:
+                        done()
+                loaded += good
+                if start + good < stop:
+                    break
+        return self._loaded(loaded, len(hashes))
+
+    def decline_load(self, hashes: Sequence[bytes], slots: SlotMap) -> LoadResult:
+        """Fail a load this rank cannot run (no staging before its deadline, closing).
+
+        Over a group, the rank still joins the load's first agreement, having read
+        nothing, so every other rank fails it too instead of waiting for this one.
+        """
+        if self._striped is not None and hashes:
+            return self._load_striped(self._striped, hashes, slots, None, None, None)
+        return self._loaded(0, len(hashes))
+
     def load_bytes(self, blocks: int) -> int:
         """Staging one chunk of a load of ``blocks`` blocks takes at most."""
         per_block = sum(sh.plan.value_size for sh in self.shares)
-        chunk = min(blocks, self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares)))
+        chunk = min(blocks, self._load_chunk_blocks())
         return _STAGING_ALIGN * len(self.shares) + chunk * per_block
 
     def _load_chunk(
@@ -566,6 +667,7 @@ class Connector:
             )
         except Unavailable:
             return 0
+        self._count_read(statuses, wanted)
         ok = self._repair.usable(self.shares, keys, buffers, statuses, [len(b) for b in wanted])
         good = _good_prefix(ok, wanted, n)
         if good == 0:
@@ -625,6 +727,7 @@ class Connector:
                     v if v is not None and s is ReadStatus.LOADED else empty
                     for v, s in zip(views, statuses)
                 ]
+                self._count_read(statuses, wanted)
                 verdict = check(self.shares, keys, pages, statuses, counts)
                 good = _good_prefix(verdict.usable, wanted, n)
                 if good:
@@ -648,6 +751,16 @@ class Connector:
         self._repair.settle(verdict)
         return good
 
+    def _count_read(
+        self, statuses: Sequence[ReadStatus], wanted: Sequence[Sequence[int]]
+    ) -> None:
+        """Count the pages this rank read from the store (``store_read``)."""
+        pos = 0
+        for share, blocks in zip(self.shares, wanted):
+            here = statuses[pos : pos + len(blocks)]
+            pos += len(blocks)
+            self.stats.add("store_read", share.plan, sum(s is ReadStatus.LOADED for s in here))
+
     # ------------------------------------------------------------------ helpers
     def check_transfer(
         self, block_hashes: Sequence[bytes], slots: Slots
@@ -659,6 +772,11 @@ class Connector:
         slots_ = slot_map(self.layout, slots, hashes)
         self._require_pools()
         return hashes, slots_
+
+    def _load_chunk_blocks(self) -> int:
+        """Blocks per chunk of a load: every rank of a group chunks alike (``_join``)."""
+        per_block = sum(sh.plan.value_size for sh in self.shares)
+        return self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
 
     def chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
         """Blocks per chunk so that a chunk (plus ``padding``) fits ``staging_bytes``."""
@@ -673,6 +791,15 @@ class Connector:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _has_no_slot(slots: SlotMap) -> bool:
+    """Whether a group holds no slot for some block (a sliding window's null blocks).
+
+    Such a load is read by every rank for itself, not striped: the slots are the same on
+    every rank (the engine's metadata), so every rank of a group decides alike.
+    """
+    return any(bool((t == NO_SLOT).any()) for t in slots.values())
 
 
 def _good_prefix(usable: Sequence[bool], wanted: Sequence[Sequence[int]], n: int) -> int:

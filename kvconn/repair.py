@@ -50,7 +50,19 @@ class PageRepair:
         would skip it as already stored. A page the backend could not reach is a miss
         and stays stored: it is not the page's fault.
         """
-        verdict = check(shares, keys, buffers, statuses, counts)
+        plans = [share.plan for share, count in zip(shares, counts) for _ in range(count)]
+        return self.usable_pages(plans, keys, buffers, statuses)
+
+    def usable_pages(
+        self,
+        plans: Sequence[PagePlan],
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        statuses: Sequence[ReadStatus],
+    ) -> list[bool]:
+        """:meth:`usable` for pages of any kinds in any order: ``plans[i]`` is page
+        ``i``'s kind (a striped read takes a different number of pages of each kind)."""
+        verdict = check_pages(plans, keys, buffers, statuses)
         self.settle(verdict)
         return verdict.usable
 
@@ -134,29 +146,37 @@ def check(
     counts: Sequence[int],
 ) -> Verdict:
     """Verify the pages of a read (``counts[s]`` pages of kind ``s``, kinds in ``shares``
-    order).
+    order). Pure (no backend call), so it can run while a backend lends the bytes
+    (``Backend.borrow``) and the repair after the loan ends."""
+    plans = [share.plan for share, count in zip(shares, counts) for _ in range(count)]
+    return check_pages(plans, keys, buffers, statuses)
 
-    Pure (no backend call), so it can run while a backend lends the bytes
-    (``Backend.borrow``) and the repair after the loan ends.
-    """
+
+def check_pages(
+    plans: Sequence[PagePlan],
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    statuses: Sequence[ReadStatus],
+) -> Verdict:
+    """:func:`check` for pages of any kinds in any order: ``plans[i]`` is page ``i``'s."""
     verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
     usable = verdict.usable
-    pos = 0
-    for share, count in zip(shares, counts):
-        here = range(pos, pos + count)
-        pos += count
-        got = [i for i in here if usable[i]]
-        checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+    # by identity: hashing a plan hashes all of its regions, once per page
+    arrived: dict[int, tuple[PagePlan, list[int]]] = {}
+    for i, plan in enumerate(plans):
+        if usable[i]:
+            arrived.setdefault(id(plan), (plan, []))[1].append(i)
+    for plan, got in arrived.values():
+        checks = plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
         for i, verified in zip(got, checks):
             if not verified:
                 usable[i] = False
-                verdict.damaged[keys[i]] = share.plan
-        for i in here:
-            status = statuses[i]
-            if status is ReadStatus.WRONG_SIZE:
-                verdict.damaged[keys[i]] = share.plan
-            elif status is ReadStatus.FAILED:
-                verdict.unread[keys[i]] = share.plan
-            elif status is ReadStatus.UNREACHABLE:
-                verdict.unreachable[share.plan] = verdict.unreachable.get(share.plan, 0) + 1
+                verdict.damaged[keys[i]] = plan
+    for i, (plan, status) in enumerate(zip(plans, statuses)):
+        if status is ReadStatus.WRONG_SIZE:
+            verdict.damaged[keys[i]] = plan
+        elif status is ReadStatus.FAILED:
+            verdict.unread[keys[i]] = plan
+        elif status is ReadStatus.UNREACHABLE:
+            verdict.unreachable[plan] = verdict.unreachable.get(plan, 0) + 1
     return verdict

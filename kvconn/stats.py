@@ -19,7 +19,10 @@ from kvconn.plan import PagePlan
 #: could not be read: a value of the wrong size); repaired: a corrupt page this rank
 #: deleted, so that the next lookup misses it and the next save rewrites it;
 #: unreachable: a stored page whose bytes the backend could not fetch right now (its
-#: holder died), a miss that is kept, not repaired. Bytes are
+#: holder died), a miss that is kept, not repaired; store_read: a page a load got from
+#: the store (whole, before its checksum was checked); group_received / group_sent: a
+#: verified page a striped load got from / gave to another rank of the TP group
+#: (:mod:`kvconn.stripe`), instead of every rank reading it from the store. Bytes are
 #: payload bytes (``page_size``); checksum trailers are not counted.
 EVENTS = (
     "written",
@@ -30,6 +33,9 @@ EVENTS = (
     "corrupt",
     "repaired",
     "unreachable",
+    "store_read",
+    "group_received",
+    "group_sent",
 )
 
 
@@ -50,6 +56,9 @@ class ConnectorStats:
         self.lookup_errors = 0
         #: Asynchronous saves dropped because in-flight staging was at its ceiling.
         self.staging_full = 0
+        #: Striped loads whose ranks were not loading the same blocks (an engine that
+        #: skipped a load on some rank): failed on every rank, nothing exchanged.
+        self.group_mismatches = 0
 
     def add(self, event: str, plan: PagePlan, pages: int) -> None:
         if pages <= 0:
@@ -68,8 +77,14 @@ class ConnectorStats:
 
     def bump(self, counter: str) -> None:
         """Add one to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
-        ``staging_full``), thread-safely."""
-        assert counter in ("lookups", "lookup_errors", "backend_errors", "staging_full"), counter
+        ``staging_full``, ``group_mismatches``), thread-safely."""
+        assert counter in (
+            "lookups",
+            "lookup_errors",
+            "backend_errors",
+            "staging_full",
+            "group_mismatches",
+        ), counter
         with self._lock:
             setattr(self, counter, getattr(self, counter) + 1)
 
@@ -99,4 +114,5 @@ class ConnectorStats:
                 "lookups": self.lookups,
                 "lookup_errors": self.lookup_errors,
                 "staging_full": self.staging_full,
+                "group_mismatches": self.group_mismatches,
             }

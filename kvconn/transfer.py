@@ -19,6 +19,15 @@ not finished ``load_timeout_s`` after it was submitted is cancelled: its handle 
 the blocks scattered so far as loaded and the rest failed, and no byte of it reaches a
 slot afterwards (the scatter and the cancel exclude each other).
 
+Over a TP group (a connector built with ``group=``, see :mod:`kvconn.striped_load`) a
+load is collective: its ranks read each shared page once and exchange it. Collectives
+must be issued in the same order on every rank, so such a service runs its loads on one
+thread, in the order they were submitted, and an engine must submit the same loads in
+the same order on every rank (engines do: the scheduler's metadata, broadcast to every
+worker, names them). A load that is cancelled, finds no staging before its deadline, or
+is still queued at :meth:`TransferService.close` still takes part in its first
+collective, having read nothing, so the other ranks fail it too instead of waiting.
+
 Memory is bounded: staging of transfers in flight lives in one :class:`~kvconn.arena.Arena`
 of ``inflight_bytes``. A save that finds no room is dropped and counted (a cache may skip
 a save); a load waits for room. A backend that fails or stalls yields failed or dropped
@@ -191,8 +200,14 @@ class TransferService:
         load_threads: int = 2,
         inflight_bytes: int | None = None,
     ) -> None:
+        """``load_threads`` is ignored over a TP group: its loads run on one thread, in
+        submission order (module docstring)."""
         if load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, got {load_threads}")
+        #: Loads run one at a time in submission order (a connector over a TP group).
+        self.ordered = connector.group is not None
+        if self.ordered:
+            load_threads = 1
         self.connector = connector
         config = connector.config
         capacity = config.inflight_bytes if inflight_bytes is None else inflight_bytes
@@ -350,7 +365,8 @@ class TransferService:
                 return not any(t.is_alive() for t in self._threads)
             self._closing = True
             loads = [t for t in self._open.values() if t.kind == "load"]
-            self._queues.load.clear()
+            if not self.ordered:  # over a group, queued loads still meet the other ranks
+                self._queues.load.clear()
             self._cond.notify_all()
         for transfer in loads:
             transfer.cancel()
@@ -419,7 +435,7 @@ class TransferService:
             with self._cond:
                 while not self._queues.load and not self._closing:
                     self._cond.wait()
-                if self._closing:
+                if self._closing and not (self.ordered and self._queues.load):
                     return
                 job = self._queues.load.popleft()
             transfer = job.transfer
@@ -437,6 +453,8 @@ class TransferService:
         remaining = self.load_timeout_s - (time.monotonic() - transfer.submitted)
         piece = self.arena.take(conn.load_bytes(len(job.hashes)), timeout=max(0.0, remaining))
         if piece is None:  # no room before the deadline, or closing: the blocks fail
+            if self.ordered:
+                return conn.decline_load(job.hashes, job.slots)
             return LoadResult(0, tuple(range(transfer.blocks)))
         try:
             with self._load_stream():

@@ -21,6 +21,7 @@ from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
 from kvconn.tools.cli import main
 from kvconn.tools.models import PRESETS, get_preset, load_preset, minimax_m3
+from kvconn.tools.simulate.report import format_report
 from kvconn.tools.simulate.synth import Synth
 from kvconn.tools.simulate.workload import WorkloadSpec, generate
 
@@ -94,6 +95,12 @@ def test_the_json_report_has_every_documented_key(minimax_run):
         "pages_loaded",
         "pages_verified",
         "errors",
+        "striped",
+        "bytes_read_by_rank",
+        "bytes_received_by_rank",
+        "bytes_read",
+        "bytes_read_unstriped",
+        "read_saving",
     }
     assert required <= set(report)
     assert len(report["bytes_written_by_rank"]) == 8
@@ -160,6 +167,35 @@ def test_a_rerun_that_adds_nothing_reports_what_the_store_holds_for_the_model(ca
     table = format_report(second)
     assert "  stored by this run             0 B   (pages 0 B" in table
     assert f"{second['pages_in_store']:,} pages under kvconn/minimax-m3/" in table
+
+
+# ---------------------------------------------------------------- striped reads
+def test_striped_ranks_read_each_deepseek_page_once_per_group_an_eighth_of_unstriped(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    simulate(capsys, store, "--model", "deepseek-v3.2")
+    code, striped = simulate(capsys, store, "--model", "deepseek-v3.2")
+    _, alone = simulate(capsys, store, "--model", "deepseek-v3.2", "--no-stripe")
+    assert code == 0 and striped["errors"] == alone["errors"] == 0
+    assert striped["striped"] and not alone["striped"]
+    assert striped["bytes_loaded"] == alone["bytes_loaded"] > 0  # the same warm loads
+    # every byte loaded came from the store once for the group, from the group otherwise
+    assert striped["bytes_read"] * 8 == alone["bytes_read"] == striped["bytes_read_unstriped"]
+    assert striped["read_saving"] == pytest.approx(0.875)
+    assert alone["bytes_read_by_rank"] == [alone["bytes_read"] // 8] * 8
+    assert sum(alone["bytes_received_by_rank"]) == 0
+    assert "store reads saved 87.5%" in format_report(striped)
+
+
+def test_striped_minimax_ranks_read_their_own_kv_and_an_eighth_of_the_index_k(capsys, tmp_path):
+    store = tmp_path / "store"
+    simulate(capsys, store)
+    _, report = simulate(capsys, store)
+    unstriped = report["bytes_read_unstriped"]
+    # K/V (512 B/token per rank) read by each rank, index-K (256) once per group
+    assert report["bytes_read"] == unstriped * (512 + 256 / 8) // 768
+    assert report["read_saving"] == pytest.approx(1 - (512 + 32) / 768)
 
 
 # ---------------------------------------------------------------- write ownership

@@ -14,7 +14,10 @@ comes back once every rank's ``get_finished`` reported its load done.
 
 Worker (every rank): ``register_kv_caches`` describes the rank's primary pool as a
 kvconn layout and starts kvconn's transfer service (:mod:`kvconn.transfer`), which the
-other engine adapters use too. ``start_load_kv`` submits the step's loads,
+other engine adapters use too. With ``stripe_reads`` the ranks first form a gloo group
+(:mod:`kvconn_trtllm.group`) and loads read each page several ranks hold once per
+group: the loads are the broadcast metadata's, so every rank submits the same ones in
+the same order, which striped loads need. ``start_load_kv`` submits the step's loads,
 ``wait_for_save`` hands the step's completed blocks over (their pages are captured into
 staging then, so the executor never waits on the store); ``get_finished`` reports loads
 done, and the saves of finished requests once their pages are captured: a request whose
@@ -55,6 +58,7 @@ from kvconn.layout import KvLayout
 from kvconn.lookup import DeadlineLookup, Lookup
 from kvconn.transfer import SaveRequest, TransferService
 from kvconn.transfer import Transfer as Handle
+from kvconn_trtllm.group import tp_group
 from kvconn_trtllm.layout import describe_pool
 from kvconn_trtllm.settings import TrtllmSettings
 
@@ -158,8 +162,11 @@ class KvconnWorker(KvCacheConnectorWorker):
             tokens_per_block=_tokens_per_block(self._llm_args),
             kv_heads=self.settings.kv_heads,
         )
+        group = None
+        if self.settings.stripe_reads and self.tp_size > 1:
+            group = tp_group(self.rank, self.tp_size, _gather)
         self.connector = Connector(
-            self.settings.connector, layout, rank=self.rank, pools=[kv_cache_tensor]
+            self.settings.connector, layout, rank=self.rank, pools=[kv_cache_tensor], group=group
         )
         self.transfers = TransferService(self.connector)
         if self.rank == 0:

@@ -3,8 +3,8 @@
 ``kv_connector_config`` names only the module and the two classes, so kvconn's settings
 come from kvconn's usual sources: ``$KVCONN_CONFIG`` (a TOML file) and ``KVCONN_*``
 variables, with ``model`` defaulting to the model the engine serves. The adapter's own
-settings are the file's ``[tensorrt_llm]`` table (``kv_heads``); it is taken out before
-the rest is read as kvconn configuration, whose unknown keys stay errors.
+settings are the file's ``[tensorrt_llm]`` table (``kv_heads``, ``stripe_reads``); it is
+taken out before the rest is read as kvconn configuration, whose unknown keys stay errors.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvconn.engine_settings import EngineModel, adapter_config, check_kv_heads
 from kvconn.errors import ConfigError
 
 TABLE = "tensorrt_llm"
-TABLE_KEYS = frozenset({"kv_heads"})
+TABLE_KEYS = frozenset({"kv_heads", "stripe_reads"})
 #: TensorRT-LLM's ``QuantAlgo`` for "no quantization": not a quantization of the weights.
 _NO_QUANT = "NO_QUANT"
 
@@ -48,10 +48,15 @@ class TrtllmSettings:
     ``kv_heads`` (MHA/GQA only) says how many distinct K/V heads the TP group holds;
     left out, every rank's K/V is keyed as its own shard, which is always correct but
     stores a GQA head that several ranks duplicate once per rank.
+
+    ``stripe_reads``: the ranks form a gloo group (:mod:`kvconn_trtllm.group`) and
+    read each page several of them hold once per group. Off by default: 1.2 launched
+    through MPI has no torch.distributed group, so the adapter opens one of its own.
     """
 
     connector: ConnectorConfig
     kv_heads: int | None = None
+    stripe_reads: bool = False
 
     @classmethod
     def load(cls, llm_args: Any, environ: Mapping[str, str] | None = None) -> TrtllmSettings:
@@ -74,4 +79,11 @@ class TrtllmSettings:
         connector = adapter_config(
             base, engine_model=engine_model(llm_args), environ=env, where=str(path)
         )
-        return cls(connector, check_kv_heads(table.get("kv_heads"), f"{path}: [{TABLE}]"))
+        stripe = table.get("stripe_reads", False)
+        if not isinstance(stripe, bool):
+            raise ConfigError(
+                f"{path}: [{TABLE}] stripe_reads must be true or false, got {stripe!r}"
+            )
+        return cls(
+            connector, check_kv_heads(table.get("kv_heads"), f"{path}: [{TABLE}]"), stripe
+        )

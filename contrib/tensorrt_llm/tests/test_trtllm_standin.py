@@ -44,6 +44,13 @@ def runs(tmp_path_factory):
             (LONG, LONG_SHARED, LONG), chunk=8, max_tokens=3, env=config(tmp, "chunked")
         ),
         "slow": Scenario((P, P, SHARED), slow_put_s=0.3, env=config(tmp, "slow")),
+        # K/V on both ranks, read once for the pair over a gloo group built from MPI
+        "striped": Scenario(
+            (P, P),
+            heads=1,
+            kv_heads=1,
+            env=config(tmp, "striped", "[tensorrt_llm]\nkv_heads = 1\nstripe_reads = true\n"),
+        ),
         "evict": Scenario((P, P, P), evict=(1, 2, "w2r1"), env=config(tmp, "evict")),
     }
     results = dict(zip(scenarios, run(list(scenarios.values()))))
@@ -134,6 +141,22 @@ def test_mla_latent_pages_are_stored_once_for_the_group(runs):
     assert sum(written(r) for r in served(runs, "mla")) == 5
     for r in served(runs, "mla"):
         assert r["requests"][1]["loaded_equal"] == [True] * 5
+
+
+def counted(rank: dict, event: str) -> int:
+    return rank["kvconn"]["total"].get(event, {}).get("pages", 0)
+
+
+def test_with_stripe_reads_the_pair_reads_each_shared_page_once_and_loads_identical_bytes(
+    runs,
+):
+    striped, alone = served(runs, "striped"), served(runs, "gqa")  # the same shape
+    for r in striped:
+        assert r["requests"][1]["loaded_equal"] == [True] * 5
+    assert sum(counted(r, "store_read") for r in alone) == 10  # both ranks read all five
+    assert sum(counted(r, "store_read") for r in striped) == 5  # once for the pair
+    assert sum(counted(r, "group_received") for r in striped) == 5
+    assert all(counted(r, "loaded") == 5 for r in striped)
 
 
 def test_the_same_prompt_under_another_lora_adapter_misses(runs):

@@ -54,6 +54,15 @@ def test_kv_heads_must_be_a_positive_int(tmp_path, bad):
         TrtllmSettings.load(None, environ=env)
 
 
+def test_striped_reads_are_off_unless_the_adapter_table_turns_them_on(tmp_path):
+    assert not TrtllmSettings.load(None, environ=write(tmp_path, 'model = "m"\n')).stripe_reads
+    env = write(tmp_path, 'model = "m"\n[tensorrt_llm]\nstripe_reads = true\n')
+    assert TrtllmSettings.load(None, environ=env).stripe_reads
+    env = write(tmp_path, 'model = "m"\n[tensorrt_llm]\nstripe_reads = "yes"\n')
+    with pytest.raises(ConfigError, match="stripe_reads must be true or false"):
+        TrtllmSettings.load(None, environ=env)
+
+
 def test_unknown_kvconn_keys_stay_errors(tmp_path):
     with pytest.raises(ConfigError, match="writer_polcy"):
         TrtllmSettings.load("m", environ=write(tmp_path, 'writer_polcy = "first"\n'))

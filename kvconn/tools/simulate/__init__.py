@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "block between the lookup and the load (needs a backend that can delete)",
     )
     run_group.add_argument(
+        "--no-stripe",
+        dest="stripe",
+        action="store_false",
+        help="every rank reads every page it loads from the store; by default the ranks "
+        "form a gloo group and read each page several of them hold once per group, "
+        "passing it to the others over the group",
+    )
+    run_group.add_argument(
         "--start-method",
         choices=("forkserver", "spawn"),
         default=None,
@@ -148,6 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         evict_rate=args.evict_rate,
         start_method=start_method,
         salt=args.salt,
+        stripe=args.stripe,
     )
     preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # fail fast on units
     return settings

@@ -10,6 +10,12 @@ schemes on the same traffic rather than on a formula:
   connector): main KV roles (K, V, an MLA latent) keyed per rank, only roles it declares
   replicated on the side (``reference_once``, e.g. index-K) stored once by rank 0.
 
+Reads: each rank's bytes read from the store and received from the TP group. With
+striping (the default at TP > 1) a page several ranks hold leaves the store once per
+group; ``bytes_read_unstriped`` is what the same loads read when every rank reads every
+page it loads itself (read + received: each loaded page came one way or the other),
+which is what a ``--no-stripe`` run of the same workload measures.
+
 Byte counts by rank and role are page payloads, which is what the schemes differ in;
 ``bytes_stored`` adds the checksum trailer stored after each page (8 bytes with
 ``xxh3-64``), so it is what the store holds (``kvconn inspect``'s bytes). Savings
@@ -89,6 +95,9 @@ def build_report(
         naive += written * spec.dup(tp)
         rank0_scheme += written * (1 if spec.reference_once else spec.dup(tp))
     mean = payload / tp if tp else 0.0
+    read_by_rank = [int(_event(r["stats"], "store_read").get("bytes", 0)) for r in ranks]
+    received_by_rank = [int(_event(r["stats"], "group_received").get("bytes", 0)) for r in ranks]
+    unstriped_by_rank = [a + b for a, b in zip(read_by_rank, received_by_rank)]
     times = {part: sum(float(r["time"][part]) for r in ranks) for part in TIME_PARTS}
     cpu = {part: sum(float(r["cpu"][part]) for r in ranks) for part in TIME_PARTS}
     for part in ("store", "planning"):
@@ -107,6 +116,7 @@ def build_report(
         "backend": settings.config.backend,
         "store": location,
         "policy": settings.config.writer_policy.value,
+        "striped": settings.stripe and tp > 1,
         "seed": settings.workload.seed,
         "pool_bytes_per_rank": sum(layout.pool_sizes),
         "num_slots": num_slots,
@@ -144,6 +154,16 @@ def build_report(
         "pages_skipped": sum(int(_event(r["stats"], "skipped").get("pages", 0)) for r in ranks),
         "pages_dropped": sum(int(_event(r["stats"], "dropped").get("pages", 0)) for r in ranks),
         "pages_loaded": sum(int(_event(r["stats"], "loaded").get("pages", 0)) for r in ranks),
+        "bytes_loaded": sum(int(_event(r["stats"], "loaded").get("bytes", 0)) for r in ranks),
+        "bytes_read_by_rank": read_by_rank,
+        "bytes_received_by_rank": received_by_rank,
+        "bytes_read_unstriped_by_rank": unstriped_by_rank,
+        "bytes_read": sum(read_by_rank),
+        "bytes_read_unstriped": sum(unstriped_by_rank),
+        # None when nothing loaded (a cold store)
+        "read_saving": 1 - sum(read_by_rank) / sum(unstriped_by_rank)
+        if sum(unstriped_by_rank)
+        else None,
         "pages_failed": sum(int(_event(r["stats"], "failed").get("pages", 0)) for r in ranks),
         # stored pages found bad on load (checksum, wrong size) and deleted for rewriting
         "pages_corrupt": sum(int(_event(r["stats"], "corrupt").get("pages", 0)) for r in ranks),
@@ -213,6 +233,28 @@ def format_report(report: Mapping[str, Any]) -> str:
     page_cells = "".join(f" {report['pages_written_by_role'][r]:>12,}" for r in roles)
     add(f"  {'pages':>5} {'':>9} {'':>12}{page_cells}   (pages holding the role)")
     add("")
+    if report["bytes_read_unstriped"]:
+        how = "striped over a gloo group" if report["striped"] else "not striped (--no-stripe)"
+        add(f"  read per rank ({how}):")
+        add(f"  {'rank':>5} {'from store':>12} {'from group':>12} {'unstriped':>12}")
+        for rank, (read, got, alone) in enumerate(
+            zip(
+                report["bytes_read_by_rank"],
+                report["bytes_received_by_rank"],
+                report["bytes_read_unstriped_by_rank"],
+            )
+        ):
+            add(
+                f"  {rank:>5} {human_bytes(read):>12} {human_bytes(got):>12} "
+                f"{human_bytes(alone):>12}"
+            )
+        add(
+            f"  {'total':>5} {human_bytes(report['bytes_read']):>12} "
+            f"{human_bytes(sum(report['bytes_received_by_rank'])):>12} "
+            f"{human_bytes(report['bytes_read_unstriped']):>12}   "
+            f"store reads saved {_percent(report['read_saving'])}"
+        )
+        add("")
     add(
         f"  stored by this run    {human_bytes(report['bytes_stored']):>12}   "
         f"(pages {human_bytes(report['payload_bytes_stored'])}, "

@@ -10,8 +10,11 @@ and save the rest. It never touches KV bytes itself.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +59,8 @@ class SimSettings:
     evict_rate: float = 0.0  # chance per request of evicting one hit page after lookup
     start_method: str = "forkserver"
     salt: str = ""
+    #: Ranks form a gloo group and read each shared page once per group (TP > 1).
+    stripe: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -80,6 +85,8 @@ class SimSettings:
         _bounded_int("--layers", self.layers, self.preset.layers)
         if not isinstance(self.salt, str):
             raise ConfigError(f"--salt must be a string, got {self.salt!r}")
+        if not isinstance(self.stripe, bool):
+            raise ConfigError(f"stripe must be a bool, got {self.stripe!r}")
 
 
 #: Largest TP group simulated: beyond real deployments (NVL72 is 72 GPUs), and each rank
@@ -234,6 +241,8 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
                 f"--evict-rate needs a backend that can delete; {backend.name!r} cannot"
             )
         location = describe_location(backend)
+        striped = settings.stripe and settings.tp_size > 1
+        workdir = tempfile.mkdtemp(prefix="kvconn-simulate-")
         specs = [
             RankSpec(
                 rank,
@@ -243,10 +252,15 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
                 num_slots,
                 tpb,
                 settings.config,
+                rendezvous=os.path.join(workdir, "group") if striped else None,
             )
             for rank in range(settings.tp_size)
         ]
-        group = _Group(specs, settings.start_method)
+        try:
+            group = _Group(specs, settings.start_method)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         try:
             replay_start = time.perf_counter()
             coord = _replay(settings, requests, coordinator, backend, group, num_slots, progress)
@@ -255,6 +269,7 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
             results = group.gather("result")
         finally:
             group.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
         held = store_holding(backend, coordinator.prefix)
     finally:
         coordinator.close()

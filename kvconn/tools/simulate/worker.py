@@ -10,6 +10,7 @@ that a page that failed on one rank makes every rank recompute that block.
 
 from __future__ import annotations
 
+import datetime
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from kvconn.tools.simulate.timing import TimedBackend, timed
 T = TypeVar("T")
 
 PARTS = ("store", "movement", "planning", "compute", "verify")
+#: A rank that died leaves the others in a collective this long, not gloo's 30 minutes.
+GROUP_TIMEOUT_S = 300
 
 
 class _Clock:
@@ -56,6 +59,9 @@ class RankSpec:
     tokens_per_block: int
     config: ConnectorConfig
     max_examples: int = 5
+    #: The file through which the ranks form a gloo group for striped loads (None: every
+    #: rank reads every page it loads itself).
+    rendezvous: str | None = None
 
     def layout(self) -> KvLayout:
         return self.preset.layout(self.tp_size, self.layers, self.num_slots, self.tokens_per_block)
@@ -67,8 +73,14 @@ class RankWorker:
         self.layout = spec.layout()
         self.pools = [torch.zeros(size, dtype=torch.uint8) for size in self.layout.pool_sizes]
         self.backend: TimedBackend = timed(load_backend(spec.config.backend, spec.config.options))
+        self.group = _join_group(spec) if spec.rendezvous is not None else None
         self.connector = Connector(
-            spec.config, self.layout, rank=spec.rank, pools=self.pools, backend=self.backend
+            spec.config,
+            self.layout,
+            rank=spec.rank,
+            pools=self.pools,
+            backend=self.backend,
+            group=self.group,
         )
         self.synth = Synth(self.layout, spec.rank, spec.config.model)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
@@ -191,6 +203,26 @@ class RankWorker:
 
     def close(self) -> None:
         self.connector.close()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _join_group(spec: RankSpec) -> Any:
+    """The TP group as an engine would hand it over: gloo, the ranks in TP order."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{spec.rendezvous}",
+        rank=spec.rank,
+        world_size=spec.tp_size,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    return dist.new_group(
+        list(range(spec.tp_size)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    )
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
