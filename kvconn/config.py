@@ -51,6 +51,7 @@ _NUMERIC = (
     "lookup_wait_s",
     "lookup_timeout_s",
     "load_timeout_s",
+    "stripe_reads",
 )
 
 
@@ -87,6 +88,11 @@ class ConnectorConfig:
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
+    #: Read each page several TP ranks hold once per group and pass it over the group
+    #: (kvconn.striped_load): the engine adapter builds a gloo group of its TP ranks.
+    #: Pays against a store behind a network; against an embedded one (LMDB) the
+    #: exchange costs more than reading again (docs/performance.md), hence off by default.
+    stripe_reads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -103,6 +109,8 @@ class ConnectorConfig:
         for name in ("staging_bytes", "inflight_bytes"):
             object.__setattr__(self, name, _size(getattr(self, name), name))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
+        if not isinstance(self.stripe_reads, bool):
+            raise ConfigError(f"stripe_reads must be true or false, got {self.stripe_reads!r}")
         for name, low, high in (
             ("retry_interval_s", 0.0, MAX_RETRY_INTERVAL_S),
             ("lookup_wait_s", 0.0, MAX_WAIT_S),

@@ -2,7 +2,7 @@
 
 TensorRT-LLM 1.2 runs its ranks as MPI processes and, launched through MPI, does not
 initialize ``torch.distributed``: there is no process group to hand kvconn. With
-``[tensorrt_llm] stripe_reads = true`` the adapter makes one, with gloo: rank 0 opens
+kvconn's ``stripe_reads = true`` the adapter makes one, with gloo: rank 0 opens
 a ``torch.distributed`` store on a free port, every rank learns its address through the
 engine's own MPI allgather, and every rank joins. If ``torch.distributed`` is already
 initialized (a launch through torch's own collectives), its world is the TP group (the

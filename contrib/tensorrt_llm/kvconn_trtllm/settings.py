@@ -3,7 +3,7 @@
 ``kv_connector_config`` names only the module and the two classes, so kvconn's settings
 come from kvconn's usual sources: ``$KVCONN_CONFIG`` (a TOML file) and ``KVCONN_*``
 variables, with ``model`` defaulting to the model the engine serves. The adapter's own
-settings are the file's ``[tensorrt_llm]`` table (``kv_heads``, ``stripe_reads``); it is
+settings are the file's ``[tensorrt_llm]`` table (``kv_heads``); it is
 taken out before the rest is read as kvconn configuration, whose unknown keys stay errors.
 """
 
@@ -19,7 +19,7 @@ from kvconn.engine_settings import EngineModel, adapter_config, check_kv_heads
 from kvconn.errors import ConfigError
 
 TABLE = "tensorrt_llm"
-TABLE_KEYS = frozenset({"kv_heads", "stripe_reads"})
+TABLE_KEYS = frozenset({"kv_heads"})
 #: TensorRT-LLM's ``QuantAlgo`` for "no quantization": not a quantization of the weights.
 _NO_QUANT = "NO_QUANT"
 
@@ -49,14 +49,18 @@ class TrtllmSettings:
     left out, every rank's K/V is keyed as its own shard, which is always correct but
     stores a GQA head that several ranks duplicate once per rank.
 
-    ``stripe_reads``: the ranks form a gloo group (:mod:`kvconn_trtllm.group`) and
-    read each page several of them hold once per group. Off by default: 1.2 launched
-    through MPI has no torch.distributed group, so the adapter opens one of its own.
+    kvconn's ``stripe_reads`` (``connector.stripe_reads``): the ranks form a gloo group
+    (:mod:`kvconn_trtllm.group`) and read each page several of them hold once per
+    group. 1.2 launched through MPI has no torch.distributed group, so the adapter
+    opens one of its own.
     """
 
     connector: ConnectorConfig
     kv_heads: int | None = None
-    stripe_reads: bool = False
+
+    @property
+    def stripe_reads(self) -> bool:
+        return self.connector.stripe_reads
 
     @classmethod
     def load(cls, llm_args: Any, environ: Mapping[str, str] | None = None) -> TrtllmSettings:
@@ -79,11 +83,4 @@ class TrtllmSettings:
         connector = adapter_config(
             base, engine_model=engine_model(llm_args), environ=env, where=str(path)
         )
-        stripe = table.get("stripe_reads", False)
-        if not isinstance(stripe, bool):
-            raise ConfigError(
-                f"{path}: [{TABLE}] stripe_reads must be true or false, got {stripe!r}"
-            )
-        return cls(
-            connector, check_kv_heads(table.get("kv_heads"), f"{path}: [{TABLE}]"), stripe
-        )
+        return cls(connector, check_kv_heads(table.get("kv_heads"), f"{path}: [{TABLE}]"))

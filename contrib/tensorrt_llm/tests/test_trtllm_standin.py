@@ -19,9 +19,10 @@ LONG = tuple(range(3000, 3040))  # 10 blocks
 LONG_SHARED = LONG[:16] + tuple(range(6000, 6024))  # 4 blocks of LONG, then 6 of its own
 
 
-def config(tmp: Path, name: str, extra: str = "") -> dict[str, str]:
+def config(tmp: Path, name: str, extra: str = "", top: str = "") -> dict[str, str]:
+    """A kvconn config file: ``top`` settings, LMDB in ``tmp/name``, then ``extra`` tables."""
     path = tmp / f"{name}.toml"
-    path.write_text(f'backend = "lmdb"\n[options]\npath = "{tmp / name}"\n{extra}')
+    path.write_text(f'backend = "lmdb"\n{top}[options]\npath = "{tmp / name}"\n{extra}')
     return {"KVCONN_CONFIG": str(path)}
 
 
@@ -49,7 +50,7 @@ def runs(tmp_path_factory):
             (P, P),
             heads=1,
             kv_heads=1,
-            env=config(tmp, "striped", "[tensorrt_llm]\nkv_heads = 1\nstripe_reads = true\n"),
+            env=config(tmp, "striped", "[tensorrt_llm]\nkv_heads = 1\n", "stripe_reads = true\n"),
         ),
         "evict": Scenario((P, P, P), evict=(1, 2, "w2r1"), env=config(tmp, "evict")),
     }

@@ -54,12 +54,15 @@ def test_kv_heads_must_be_a_positive_int(tmp_path, bad):
         TrtllmSettings.load(None, environ=env)
 
 
-def test_striped_reads_are_off_unless_the_adapter_table_turns_them_on(tmp_path):
+def test_striped_reads_are_off_unless_kvconns_stripe_reads_turns_them_on(tmp_path):
     assert not TrtllmSettings.load(None, environ=write(tmp_path, 'model = "m"\n')).stripe_reads
-    env = write(tmp_path, 'model = "m"\n[tensorrt_llm]\nstripe_reads = true\n')
+    env = write(tmp_path, 'model = "m"\nstripe_reads = true\n')
     assert TrtllmSettings.load(None, environ=env).stripe_reads
-    env = write(tmp_path, 'model = "m"\n[tensorrt_llm]\nstripe_reads = "yes"\n')
+    env = write(tmp_path, 'model = "m"\nstripe_reads = "yes"\n')
     with pytest.raises(ConfigError, match="stripe_reads must be true or false"):
+        TrtllmSettings.load(None, environ=env)
+    env = write(tmp_path, 'model = "m"\n[tensorrt_llm]\nstripe_reads = true\n')
+    with pytest.raises(ConfigError, match="stripe_reads"):  # kvconn's, not the adapter's
         TrtllmSettings.load(None, environ=env)
 
 

@@ -127,6 +127,31 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
+def _stripe_group(config: ConnectorConfig) -> Any:
+    """A gloo group of this worker's TP ranks for striped reads, or ``None``.
+
+    With ``stripe_reads`` each page several ranks hold is read once per TP group and
+    passed over this group (:mod:`kvconn.striped_load`). kvconn's own group, not vLLM's:
+    its collectives run on a transfer thread and must not interleave with vLLM's. gloo
+    on every device: it moves verified host staging rows (the tested path). Collective:
+    every rank of the world creates every TP group's, in the same order.
+    """
+    if not config.stripe_reads:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return None
+    mine = None
+    for ranks in tp.group_ranks:
+        group = dist.new_group(ranks, backend="gloo")
+        if tp.rank in ranks:
+            mine = group
+    return mine
+
+
 def hash_scheme(vllm_config: VllmConfig) -> str:
     return f"vllm:{vllm_config.cache_config.prefix_caching_hash_algo}"
 
@@ -187,7 +212,11 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         self._layout = layout
         self._conn = Connector(
-            self._config, layout, rank=get_tensor_model_parallel_rank(), pools=pools
+            self._config,
+            layout,
+            rank=get_tensor_model_parallel_rank(),
+            pools=pools,
+            group=_stripe_group(self._config),
         )
         self._service = TransferService(self._conn)
 

@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.backend:
         kvconn["backend"] = args.backend
+    if args.stripe:
+        kvconn["stripe_reads"] = True
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -281,6 +283,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--marker", action="append", default=[], metavar="RUN:NAME[:TEXT]")
     parser.add_argument("--workload", choices=("repeat", "concurrent"), default="repeat")
+    parser.add_argument("--stripe", action="store_true", help="kvconn's stripe_reads")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--own-tokens", type=int, default=36)
     parser.add_argument("--max-tokens", type=int, default=24)

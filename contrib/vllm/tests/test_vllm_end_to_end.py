@@ -68,6 +68,10 @@ CASES = {
     # vLLM duplicates the one head on both ranks: stored once
     "llama-1kv-tp2": Case("llama-1kv", 2, {"lg0/replicated": 1}),
     "llama-2kv-tp2": Case("llama-2kv", 2, {"lg0/w2r0": 1, "lg0/w2r1": 1}),
+    # striped reads: the one replicated page per block is read by one rank of the two
+    "llama-1kv-tp2-striped": Case(
+        "llama-1kv", 2, {"lg0/replicated": 1}, args=("--backend", "lmdb-count", "--stripe")
+    ),
     # the MLA latent is the same on every rank: one page per block at any TP. vLLM's CPU
     # MLA attends to a cached prefix by another path (context chunks merged by their
     # log-sum-exp) than to a fresh prompt, so a hit's logprobs differ from the first
@@ -193,6 +197,20 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
     assert third["logprobs"] == first["logprobs"]
     # the recomputed blocks were saved again
     assert len(pages_per_block(store)) == CASES["llama-2kv-tp1"].full_blocks
+
+
+def test_with_striped_reads_a_tp2_group_reads_each_replicated_page_from_the_store_once(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """One KV head at TP=2: every page is replicated. Unstriped, each rank would read the
+    3 pages of the hit (6 reads); striped, each page is read by one rank and passed to
+    the other over a gloo group of the TP ranks: 3, half the bytes from the store."""
+    store, result, _ = engine_run("llama-1kv-tp2-striped")
+    first, second = result["runs"]
+    assert second["num_cached_tokens"] == 3 * 32
+    assert second["logprobs"] == first["logprobs"]
+    reads = [int(n) for n in (store / "reads.log").read_text().split()]
+    assert sum(reads) == 3  # unstriped: 2 ranks x 3 pages
 
 
 def test_a_sliding_window_page_outside_the_window_is_not_needed_for_a_hit(

@@ -109,3 +109,31 @@ class StallingBackend(LmdbBackend):
     ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
         self._stall()
         return super()._borrow(keys)
+
+
+#: The file of ``lmdb-count``, in the store directory: one line per read, the number of
+#: pages it read, appended by every process that reads (each rank).
+READS_LOG = "reads.log"
+
+
+class CountingBackend(LmdbBackend):
+    """LMDB that writes down how many pages each read asks for (striped reads ask for
+    fewer: each shared page once per TP group)."""
+
+    name = "lmdb-count"
+
+    def _note(self, keys: list[str]) -> None:
+        pages = sum(1 for k in keys if parse_key(k) is not None)
+        if pages:
+            with open(self.path / READS_LOG, "a") as fh:
+                fh.write(f"{pages}\n")
+
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        self._note(keys)
+        return super()._get(keys, buffers, scratch=scratch)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._note(keys)
+        return super()._borrow(keys)
