@@ -13,6 +13,7 @@ import time
 import pytest
 from kvconn_lmdb import LmdbBackend
 
+from kvconn.backend import ReadStatus
 from kvconn.errors import BackendError, ConfigError
 from kvconn.registry import load_backend
 from kvconn.testing import BackendTests
@@ -24,6 +25,24 @@ class TestLmdbConformance(BackendTests):
     @pytest.fixture
     def backend_options(self, tmp_path):
         return {"path": str(tmp_path / "store")}
+
+
+def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(tmp_path):
+    """The map holds every value this machine stores, so a stored value is never
+    ``UNREACHABLE``: a key that did not load is absent or of another size."""
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    backend.put(["six", "ok"], [b"sixsix", b"ok"])
+    for scratch in (False, True):
+        bufs = [bytearray(5), bytearray(7), bytearray(6), bytearray(2)]
+        assert backend.read(["six", "six", "absent", "ok"], bufs, scratch=scratch) == [
+            ReadStatus.WRONG_SIZE,
+            ReadStatus.WRONG_SIZE,
+            ReadStatus.MISSING,
+            ReadStatus.LOADED,
+        ]
+        assert bufs[:3] == [bytearray(5), bytearray(7), bytearray(6)]  # untouched
+        assert bufs[3] == b"ok"
+    backend.close()
 
 
 def test_the_directory_is_created_owner_only(tmp_path):

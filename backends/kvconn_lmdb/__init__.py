@@ -20,14 +20,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-from kvconn.backend import Backend, Capabilities
+from kvconn.backend import Backend, Capabilities, ReadStatus
 from kvconn.errors import BackendError, ConfigError
 
 __all__ = ["LmdbBackend", "check_data_file", "default_path"]
 
 log = logging.getLogger("kvconn")
+T = TypeVar("T")
 
 _GROWTH = 2
 #: (pid, realpath) -> the environment every handle on that directory shares
@@ -464,7 +465,7 @@ class LmdbBackend(Backend):
                     return
             self._remap(0)  # outside the read: a remap waits for reads to leave the map
 
-    def _read(self, fn: Callable[[Any], list[bool]], *, read_ahead: bool) -> list[bool]:
+    def _read(self, fn: Callable[[Any], list[T]], *, read_ahead: bool) -> list[T]:
         with self._read_txn(read_ahead) as txn:
             try:
                 return fn(txn)
@@ -491,17 +492,33 @@ class LmdbBackend(Backend):
         return self._read(ask, read_ahead=False)
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
-        encoded = [k.encode() for k in keys]
+        loaded = ReadStatus.LOADED
+        return [s is loaded for s in self._read_status(keys, buffers, scratch=scratch)]
 
-        def copy(txn: Any) -> list[bool]:
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """Each value copied from the map into its buffer when the sizes match.
+
+        The store can tell why a key failed: absent (``MISSING``) or stored with another
+        size (``WRONG_SIZE``, whose buffer stays untouched). There is no third case: a
+        value lives in this machine's map, so it is never stored-but-unreachable, and an
+        error reading the map fails the whole call (``BackendError``).
+        """
+        encoded = [k.encode() for k in keys]
+        loaded, missing, wrong_size = ReadStatus.LOADED, ReadStatus.MISSING, ReadStatus.WRONG_SIZE
+
+        def copy(txn: Any) -> list[ReadStatus]:
             out = []
             for key, buf in zip(encoded, buffers):
                 value = txn.get(key)
-                if value is None or len(value) != buf.nbytes:
-                    out.append(False)
-                    continue
-                buf[:] = value  # straight from the memory map into the caller's buffer
-                out.append(True)
+                if value is None:
+                    out.append(missing)
+                elif len(value) != buf.nbytes:
+                    out.append(wrong_size)
+                else:
+                    buf[:] = value  # straight from the memory map into the caller's buffer
+                    out.append(loaded)
             return out
 
         big = sum(buf.nbytes for buf in buffers) >= _READ_AHEAD_MIN_BYTES
