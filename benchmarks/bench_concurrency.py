@@ -4,12 +4,13 @@ An engine calls the store from several threads at once: a save thread puts a lar
 batch while the scheduler thread asks ``exists`` for the next request's prefix. A
 connector serializes its calls to a backend that does not declare
 ``Capabilities.thread_safe`` with one lock per backend, so the lookup then waits for the
-whole save. This benchmark measures that wait on real servers it starts itself (a
+whole save. This benchmark measures that wait on real stores it starts itself (a
 ``redis-server`` and a Mooncake master with one storage process, on free loopback
-ports): one thread puts a batch of ``--batch`` fresh values, another issues small
-``exists`` calls one after another with a short pause between them (``--gap-ms``, as a
-scheduler asks between steps), and every ``exists`` that starts while the put runs is
-timed. Two ways, alternating in a shuffled order every trial:
+ports, and an LMDB store in a temporary directory): one thread puts a batch of
+``--batch`` fresh values, another issues small ``exists`` calls one after another with
+a short pause between them (``--gap-ms``, as a scheduler asks between steps), and every
+``exists`` that starts while the put runs is timed. Two ways, alternating in a shuffled
+order every trial:
 
 * ``locked`` - both threads take one ``threading.Lock`` around every backend call, as
   the connector does for a backend that is not thread-safe;
@@ -26,8 +27,8 @@ median of ``exists`` calls with nothing else running (the calls before each put)
 the trial, untimed. Mooncake puts from registered memory, as the connector's staging.
 
 Usage: ``python benchmarks/bench_concurrency.py [--trials 15] [--batch 64]
-[--redis-value-kib 256] [--mooncake-value-kib 1024] [--exists-keys 32] [--gap-ms 1]
-[--backends redis mooncake]``
+[--redis-value-kib 256] [--mooncake-value-kib 1024] [--lmdb-value-kib 1024]
+[--exists-keys 32] [--gap-ms 1] [--backends redis mooncake lmdb]``
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mooncake-value-kib", type=int, default=1024, help="Mooncake value (1024)"
     )
+    parser.add_argument("--lmdb-value-kib", type=int, default=1024, help="LMDB value (1024)")
     parser.add_argument("--exists-keys", type=int, default=32, help="keys per exists (32)")
     parser.add_argument(
         "--gap-ms", type=float, default=1.0, help="pause between exists calls, ms (1)"
@@ -71,12 +74,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--backends",
         nargs="+",
-        choices=("redis", "mooncake"),
-        default=["redis", "mooncake"],
-        help="which stores (both)",
+        choices=("redis", "mooncake", "lmdb"),
+        default=["redis", "mooncake", "lmdb"],
+        help="which stores (all three)",
     )
     args = parser.parse_args(argv)
-    for name in ("trials", "batch", "redis_value_kib", "mooncake_value_kib", "exists_keys"):
+    for name in (
+        "trials",
+        "batch",
+        "redis_value_kib",
+        "mooncake_value_kib",
+        "lmdb_value_kib",
+        "exists_keys",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.gap_ms < 0:
@@ -210,6 +220,26 @@ def mooncake_store(args: argparse.Namespace) -> Iterator[tuple[Backend, list[Any
             backend.close()
 
 
+@contextlib.contextmanager
+def lmdb_store(args: argparse.Namespace) -> Iterator[tuple[Backend, list[Any], str]]:
+    size = args.lmdb_value_kib * 1024
+    with tempfile.TemporaryDirectory(prefix="kvconn-bench-lmdb-") as path:
+        # A map large enough from the start: growing it is not what is measured.
+        backend = load_backend(
+            "lmdb", {"path": path, "map_size": max(1 << 30, 4 * size * args.batch)}
+        )
+        payload = memoryview(bytearray(os.urandom(size * args.batch)))
+        values = [payload[i * size : (i + 1) * size] for i in range(args.batch)]
+        try:
+            yield backend, values, f"LMDB (page cache, sync off), values {args.lmdb_value_kib} KiB"
+        finally:
+            backend.close()
+
+
+def _lmdb_available() -> str | None:
+    return None  # embedded: a temporary directory is all it needs
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:9.2f}"
 
@@ -238,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     stores = {
         "redis": (RedisServer.available, redis_store),
         "mooncake": (MooncakeCluster.available, mooncake_store),
+        "lmdb": (_lmdb_available, lmdb_store),
     }
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     for name in args.backends:

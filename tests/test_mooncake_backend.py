@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvconn.backend import ReadStatus
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
@@ -37,6 +38,7 @@ from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver._ports import free_port
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.models import minimax_m3
+from tests.helpers import slot_bytes
 
 pytestmark = pytest.mark.server
 
@@ -790,6 +792,217 @@ def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_un
             assert [bytes(b) for b in buffers] == values
         finally:
             backend.close()
+
+
+# ---------------------------------------------------------------- why a read failed
+LOADED, MISSING = ReadStatus.LOADED, ReadStatus.MISSING
+WRONG_SIZE, UNREACHABLE = ReadStatus.WRONG_SIZE, ReadStatus.UNREACHABLE
+
+
+def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
+    backend: Any, prefix: str
+) -> None:
+    """Each read path tells the two apart from what it already learns: the checked one
+    from the size query, the scratch one from ``batch_get_into`` (``-600`` for a buffer
+    too small, the value's length for one too large)."""
+    six, ok, absent = f"{prefix}/six", f"{prefix}/ok", f"{prefix}/absent"
+    assert backend.put([six, ok], [b"sixsix", b"ok"]) == [True, True]
+    for scratch in (False, True):
+        for size in (5, 7):  # one size per call: the scratch path stays the scratch path
+            buf = bytearray(b"\x11" * size)
+            assert backend.read(
+                [six, absent, ok], [buf, bytearray(6), bytearray(2)], scratch=scratch
+            )[:2] == [WRONG_SIZE, MISSING]
+            if not scratch:
+                assert buf == b"\x11" * size
+        bufs = [bytearray(2), bytearray(6)]
+        assert backend.read([ok, absent], bufs, scratch=scratch) == [LOADED, MISSING]
+        assert bufs[0] == b"ok"
+
+
+@pytest.mark.parametrize("read_failover", [True, False], ids=["failover", "no-failover"])
+def test_keys_on_a_dead_storage_process_read_as_unreachable_then_missing_once_dropped(
+    loopback_env: None, read_failover: bool
+) -> None:
+    """Until the master drops a dead storage process's segment (``client_ttl``) it still
+    lists the objects there, and every read of one fails with ``-800``: stored, bytes not
+    at fault, only out of reach, so ``UNREACHABLE`` (the connector keeps such a page).
+    Once the segment is dropped the objects are gone: ``MISSING``."""
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=32 * MiB, client_ttl=8) as one:
+        backend = _open(_options(one, read_failover=read_failover))
+        try:
+            keys = [f"dead/{i}" for i in range(4)]
+            values = [_value(i, 64 * 1024) for i in range(4)]
+            assert backend.put(keys, values) == [True] * 4
+            one.kill_storage(0)
+            for scratch in (True, False):
+                buffers = [bytearray(b"\xee" * len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [UNREACHABLE] * 4
+                if not scratch:
+                    assert all(b == b"\xee" * len(b) for b in buffers)
+            assert len(one.segments()) == 1  # the master still lists the dead segment...
+            assert backend.exists(keys) == [True] * 4  # ...and so its objects
+            deadline = time.monotonic() + 60
+            while one.segments():
+                assert time.monotonic() < deadline, one.segments()
+                time.sleep(0.2)
+            for scratch in (True, False):
+                buffers = [bytearray(len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [MISSING] * 4
+            assert backend.exists(keys) == [False] * 4
+        finally:
+            backend.close()
+
+
+def test_a_key_whose_every_copy_is_on_a_dead_storage_process_reads_as_unreachable(
+    loopback_env: None,
+) -> None:
+    """Fail-over tries every copy the master lists; when none transfers the key is out
+    of reach, not unreadable."""
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=2, segment_size=32 * MiB, client_ttl=60) as pair:
+        backend = _open(_options(pair, replica_num=2))
+        try:
+            keys = [f"all-dead/{i}" for i in range(6)]
+            values = [_value(i, 64 * 1024) for i in range(6)]
+            assert backend.put(keys, values) == [True] * 6
+            pair.kill_storage(0)
+            pair.kill_storage(1)
+            for scratch in (True, False):
+                buffers = [bytearray(len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [UNREACHABLE] * 6
+            assert backend.counters["get_failover"] == 0
+            assert backend.exists(keys) == [True] * 6  # still listed: kept, not deleted
+        finally:
+            backend.close()
+
+
+def _connector(cluster: MooncakeCluster) -> Connector:
+    layout = minimax_m3(tp_size=1, layers=2, num_slots=8)
+    pool = torch.randint(0, 256, (layout.pool_sizes[0],), dtype=torch.uint8)
+    config = ConnectorConfig(
+        model=f"mm3-{uuid.uuid4().hex[:8]}", backend="mooncake", options=_options(cluster)
+    )
+    return Connector(config, layout, rank=0, pools=[pool])
+
+
+def _same_slots(conn: Connector, saved: list[int], loaded: list[int]) -> bool:
+    return all(
+        slot_bytes(conn.layout, conn.pools, a) == slot_bytes(conn.layout, conn.pools, b)
+        for a, b in zip(saved, loaded)
+    )
+
+
+def _wait_for_replica_queries(cluster: MooncakeCluster, baseline: float, items: int) -> None:
+    """Until the master has told clients where ``items`` more keys lie: a read that got
+    that far goes on to move their bytes from the storage process."""
+    deadline = time.monotonic() + 30
+    name = "master_batch_get_replica_list_items_total"
+    while cluster.metrics()[name] < baseline + items:
+        assert time.monotonic() < deadline, "the load never asked the master"
+        time.sleep(0.01)
+
+
+def test_a_load_whose_storage_process_dies_mid_load_keeps_its_pages_and_counts_them_unreachable(
+    loopback_env: None,
+) -> None:
+    """Issue 15, item 3: a transfer failure to a dead storage process looked like "stored
+    but unreadable" and repair deleted good pages. Now the block fails as a miss, the
+    pages stay stored (another replica, or the master dropping the dead segment, settles
+    them) and ``unreachable`` counts them; nothing is ``corrupt`` or ``repaired``.
+
+    Killed mid-load, deterministically: the storage process is stopped (SIGSTOP), the
+    load starts, and once the master has told it where every page lies (its replica
+    query, seen in the master's metrics) the process is SIGKILLed while the load's
+    transfer waits on it. A restarted storage process cannot serve the old pages: it
+    mounts a new, empty segment, and the old objects stay listed on the dead one until
+    the master drops it; after that they are misses, and the next save writes them anew.
+    """
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=64 * MiB, client_ttl=20) as one:
+        conn = _connector(one)
+        try:
+            hashes = block_hashes(list(range(32 * 4)), 32)
+            assert conn.save(hashes, [0, 1, 2, 3]).dropped == 0
+            assert conn.lookup(hashes).blocks == 4
+            pages = 4 * len(conn.shares)
+            keys = [k for h in hashes for k in conn.keys.rank_keys(0, h)]
+            assert len(keys) == pages
+            baseline = one.metrics()["master_batch_get_replica_list_items_total"]
+            os.kill(one.pids[1], signal.SIGSTOP)  # the master comes first
+            outcome: list[Any] = []
+            loading = threading.Thread(
+                target=lambda: outcome.append(conn.load(hashes, [4, 5, 6, 7]))
+            )
+            loading.start()
+            _wait_for_replica_queries(one, baseline, pages)
+            one.kill_storage(0)  # SIGKILL reaches a stopped process too
+            loading.join(timeout=60)
+            assert not loading.is_alive()
+            result = outcome[0]
+            assert result.loaded == 0 and result.failed == (0, 1, 2, 3)
+            stats = conn.stats
+            assert stats.pages("unreachable") == pages
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            assert stats.backend_errors == 0  # a miss, not an outage: no back-off
+            # Kept: the master still lists the pages, so the lookup still hits, and the
+            # next load fails the same way without deleting them.
+            assert len(one.segments()) == 1
+            assert conn.backend.exists(keys) == [True] * pages
+            assert conn.lookup(hashes).blocks == 4
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 0
+            assert stats.pages("unreachable") == 2 * pages
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            # A restarted storage process mounts a new segment: the old pages stay out
+            # of reach until the master drops the dead one, then they are misses.
+            dead = set(one.segments())
+            one.restart_storage(0)
+            deadline = time.monotonic() + 90
+            while len(one.segments()) > 1:
+                assert time.monotonic() < deadline, one.segments()
+                time.sleep(0.2)
+            assert one.segments().keys().isdisjoint(dead)  # a new segment, not the old one
+            assert conn.lookup(hashes).blocks == 0
+            assert conn.backend.exists(keys) == [False] * pages
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 0
+            assert stats.pages("unreachable") == 2 * pages  # plain misses now
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            # The next save writes them onto the new process, and they load whole.
+            assert conn.save(hashes, [0, 1, 2, 3]).written == pages
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 4
+            assert _same_slots(conn, [0, 1, 2, 3], [4, 5, 6, 7])
+        finally:
+            conn.close()
+
+
+def test_a_page_replaced_by_a_value_of_another_size_is_deleted_and_rewritten(
+    cluster: MooncakeCluster,
+) -> None:
+    """The contrast: a stored value of another size can never load (``WRONG_SIZE``), so
+    the load that finds it deletes it (``corrupt``, ``repaired``), the lookup misses the
+    block and the next save writes the page again."""
+    conn = _connector(cluster)
+    try:
+        hashes = block_hashes(list(range(32 * 2)), 32)
+        assert conn.save(hashes, [0, 1]).dropped == 0
+        key = conn.keys.rank_keys(0, hashes[1])[0]
+        backend: Any = conn.backend
+        assert backend.delete([key]) == [True]
+        assert backend.put([key], [b"a value of another size"]) == [True]
+        buffer = bytearray(conn.shares[0].plan.value_size)
+        assert backend.read([key], [buffer], scratch=True) == [WRONG_SIZE]
+        result = conn.load(hashes, [4, 5])
+        assert result.loaded == 1 and result.failed == (1,)
+        assert conn.stats.pages("corrupt") == conn.stats.pages("repaired") == 1
+        assert conn.stats.pages("unreachable") == 0
+        assert backend.exists([key]) == [False]
+        assert conn.lookup(hashes).blocks == 1
+        assert conn.save(hashes, [0, 1]).written == 1
+        assert conn.load(hashes, [4, 5]).loaded == 2
+        assert _same_slots(conn, [0, 1], [4, 5])
+    finally:
+        conn.close()
 
 
 def test_a_client_that_mounts_memory_serves_its_pages_to_others_with_the_shared_engine(

@@ -29,7 +29,7 @@ import redis
 from redis.connection import AbstractConnection
 from redis.crc import key_slot
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
 from kvconn.keys import key_prefix
 from kvconn.registry import load_backend
@@ -536,9 +536,11 @@ def test_an_error_reply_in_the_middle_of_a_batch_raises_and_keeps_replies_in_ste
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
-def test_a_key_that_holds_no_string_reads_as_a_miss_and_the_rest_of_the_batch_loads(
+def test_a_key_that_holds_no_string_fails_as_unreadable_and_the_rest_of_the_batch_loads(
     cluster: bool, request: pytest.FixtureRequest
 ) -> None:
+    """A list under a page's key is stored but can never load: ``WRONG_SIZE``, so the
+    connector deletes it and the next save writes the page."""
     store: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"wrongtype/{time.monotonic_ns()}/"
     backend = _open({**store.options, "key_prefix": prefix})
@@ -549,7 +551,38 @@ def test_a_key_that_holds_no_string_reads_as_a_miss_and_the_rest_of_the_batch_lo
     bufs = [bytearray(b"\xee" * 3) for _ in range(3)]
     assert backend.get(["a", "b", "c"], bufs) == [True, False, True]
     assert bufs == [b"aaa", b"\xee" * 3, b"ccc"]
+    bufs = [bytearray(b"\xee" * 3) for _ in range(3)]
+    assert backend.read(["a", "b", "c"], bufs, scratch=True) == [
+        ReadStatus.LOADED,
+        ReadStatus.WRONG_SIZE,
+        ReadStatus.LOADED,
+    ]
+    assert bufs == [b"aaa", b"\xee" * 3, b"ccc"]
     backend.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
+    cluster: bool, request: pytest.FixtureRequest
+) -> None:
+    """Redis answers every key it is asked about, so it can always tell the two apart;
+    it never says ``UNREACHABLE`` (a server it cannot reach raises for the whole call)."""
+    store: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    backend = _open({**store.options, "key_prefix": f"status/{uuid.uuid4().hex}/"})
+    try:
+        backend.put(["six", "ok"], [b"sixsix", b"ok"])
+        for scratch in (False, True):
+            bufs = [bytearray(5), bytearray(7), bytearray(6), bytearray(2)]
+            assert backend.read(["six", "six", "absent", "ok"], bufs, scratch=scratch) == [
+                ReadStatus.WRONG_SIZE,
+                ReadStatus.WRONG_SIZE,
+                ReadStatus.MISSING,
+                ReadStatus.LOADED,
+            ]
+            assert bufs[:3] == [bytearray(5), bytearray(7), bytearray(6)]  # untouched
+            assert bufs[3] == b"ok"
+    finally:
+        backend.close()
 
 
 def _node_for(store: Any, key: str) -> RedisServer:

@@ -33,7 +33,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvconn.backend import Backend, Capabilities, as_bytes_view
+from kvconn.backend import Backend, Capabilities, ReadStatus, as_bytes_view
 from kvconn.errors import BackendDependencyMissing
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig, make_config
@@ -139,9 +139,18 @@ class MooncakeBackend(Backend):
         return self._transfers.put(keys, values)
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        loaded = ReadStatus.LOADED
+        return [s is loaded for s in self._read_status(keys, buffers, scratch=scratch)]
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """Why each key did not load, as the transfer learned it (:mod:`._transfer`):
+        ``MISSING``, ``WRONG_SIZE``, or ``UNREACHABLE`` for a key no copy of which could
+        be fetched (its storage process died; the master still lists it)."""
         if scratch:
-            return self._transfers.get_scratch(keys, buffers)
-        return self._transfers.get(keys, buffers)
+            return self._transfers.read_scratch(keys, buffers)
+        return self._transfers.read(keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._transfers.delete(keys)

@@ -12,8 +12,9 @@ lease, so the object cannot be evicted or removed meanwhile) say where every cop
 With the transfer engine the client was set up with, :class:`ReplicaReader` reads a
 failed key from another copy, remembers which endpoints failed, and lets the backend
 send later reads of keys with a copy there straight to a live copy, without paying the
-timeout again. Keys whose only copy is gone read False: a failed load that the engine
-recomputes.
+timeout again. Keys whose only copy is gone, or every copy, read ``UNREACHABLE``: a
+failed load that the engine recomputes, of a page that is kept (its bytes are not at
+fault; another copy or the master dropping the dead segment settles it).
 
 Puts the master places on the dead segment fail the same way (``-800``, the key stays
 absent); :meth:`Failover.reroute_puts` puts them once more, preferring the segments
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
+from kvconn.backend import ReadStatus
 from kvconn.errors import BackendError
 from kvconn_mooncake import _codes as codes
 
@@ -219,35 +221,44 @@ class Failover:
         reader: ReplicaReader,
         reads: list[Pending],
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
     ) -> None:
-        """Reads whose transfer failed unchecked: ask where copies are, read a live one."""
+        """Reads whose transfer failed unchecked: ask where copies are, read a live one.
+
+        The size query tells what the failed transfer could not: gone since (``MISSING``),
+        of another size (``WRONG_SIZE``), or stored with no other copy to try
+        (``UNREACHABLE``).
+        """
         stored = self._transfers.describe(store, [r.key for r in reads])
         retry: list[Pending] = []
         for read in reads:
             found = stored.get(read.key)
             if found is None:
                 self._counters.add("get_miss", read.wanted)
+                read.settle(status, ReadStatus.MISSING)
             elif found.size != buffers[read.target].nbytes:
                 self._counters.add("get_wrong_size", read.wanted)
+                read.settle(status, ReadStatus.WRONG_SIZE)
             elif len(found.copies) > 1:
                 retry.append(replace(read, stored=found))
             else:
                 reader.mark_failed(c.endpoint for c in found.copies)
                 self._counters.add("get_failed", read.wanted)
+                read.settle(status, ReadStatus.UNREACHABLE)
         if retry:
-            self.read_from_replicas(reader, retry, buffers, ok)
+            self.read_from_replicas(reader, retry, buffers, status)
 
     def read_from_replicas(
         self,
         reader: ReplicaReader,
         reads: list[Pending],
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
     ) -> None:
         """Read keys from explicit replicas, skipping endpoints whose transfers failed.
 
         Every read here has been described (``stored`` is set): copies are only known so.
+        A key no copy of which transferred is ``UNREACHABLE``.
         """
         transfers = self._transfers
         for round_, round_reads in transfers.rounds(reads, buffers):
@@ -262,10 +273,12 @@ class Failover:
                 landed: Counter[str] = Counter()
                 for n, (read, success) in enumerate(zip(round_reads, done)):
                     if success:
-                        landed[transfers.finish(read, buffers, ok, area, round_.offsets[n])] += 1
+                        offset = round_.offsets[n]
+                        landed[transfers.finish(read, buffers, status, area, offset)] += 1
                         landed["get_failover"] += 1
                     else:
                         landed["get_failed"] += read.wanted
+                        read.settle(status, ReadStatus.UNREACHABLE)
                         log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
                 self._counters.merge(landed)
 

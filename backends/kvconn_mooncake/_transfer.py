@@ -29,6 +29,15 @@ one code, and is capped by ``local_buffer_size``. How the contract maps onto Moo
   described for keys whose transfer failed, to read them from another replica.
 * Keys whose copy sits on a dead storage process are read from, or put to, a live one
   (:mod:`kvconn_mooncake._failover`).
+
+Reads say per key why one did not load (:class:`~kvconn.backend.ReadStatus`), from what
+each path already learned, never by asking again: absent (no replica described, or an
+*absent* code) is ``MISSING``; a value of another size (the size query, ``-600``, or a
+shorter length from ``batch_get_into``) is ``WRONG_SIZE``; a key whose every copy failed
+to transfer (``-800``, fail-over had no live copy to read) is ``UNREACHABLE``: its bytes
+are fine and the master still lists them, but their holder's process is gone, so the
+connector keeps the page instead of deleting it as unreadable. Any other per-key code is
+``FAILED`` (the backend cannot tell).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvconn.backend import ReadStatus
 from kvconn.errors import BackendError
 from kvconn_mooncake import _codes as codes
 from kvconn_mooncake._counters import Counters
@@ -62,6 +72,12 @@ class Pending:
     def wanted(self) -> int:
         """Buffers that wanted the key: a failure is counted once per buffer."""
         return 1 + len(self.duplicates)
+
+    def settle(self, status: list[ReadStatus], outcome: ReadStatus) -> None:
+        """Record ``outcome`` for every buffer that wanted the key."""
+        status[self.target] = outcome
+        for other in self.duplicates:
+            status[other] = outcome
 
 
 def positions(keys: list[str]) -> dict[str, list[int]]:
@@ -126,9 +142,11 @@ class Transfers:
             session.leave()
         return [stored[k] for k in keys]
 
-    def get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def read(self, keys: list[str], buffers: list[memoryview]) -> list[ReadStatus]:
+        """Read after asking each key's size and copies: a failed key's buffer stays
+        untouched; per key, whether it loaded and why not."""
         groups = positions(keys)
-        ok = [False] * len(keys)
+        status = [ReadStatus.FAILED] * len(keys)
         session = self.session
         store = session.enter()
         try:
@@ -141,10 +159,15 @@ class Transfers:
                 found = stored.get(key)
                 if found is None:
                     self.counters.add("get_miss", len(places))
+                    for i in places:
+                        status[i] = ReadStatus.MISSING
                     continue
                 fitting = [i for i in places if buffers[i].nbytes == found.size]
                 if len(fitting) < len(places):
                     self.counters.add("get_wrong_size", len(places) - len(fitting))
+                    for i in places:
+                        if buffers[i].nbytes != found.size:
+                            status[i] = ReadStatus.WRONG_SIZE
                 if not fitting:
                     continue
                 pending = Pending(key, fitting[0], fitting[1:], found)
@@ -152,14 +175,14 @@ class Transfers:
                     rerouted.append(pending)
                 else:
                     direct.append(pending)
-            rerouted += self._read_through_client(store, reader, direct, buffers, ok)
+            rerouted += self._read_through_client(store, reader, direct, buffers, status)
             if rerouted and reader is not None:
-                self._failover.read_from_replicas(reader, rerouted, buffers, ok)
+                self._failover.read_from_replicas(reader, rerouted, buffers, status)
         finally:
             session.leave()
-        return ok
+        return status
 
-    def get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def read_scratch(self, keys: list[str], buffers: list[memoryview]) -> list[ReadStatus]:
         """Read without asking sizes first: the caller's buffers are scratch.
 
         ``batch_get_into`` refuses a buffer smaller than the value (``-600``, nothing
@@ -172,21 +195,21 @@ class Transfers:
         if len(groups) < len(keys) and any(
             len({buffers[i].nbytes for i in places}) > 1 for places in groups.values()
         ):
-            return self.get(keys, buffers)  # one key into buffers of two sizes: ask first
-        ok = [False] * len(keys)
+            return self.read(keys, buffers)  # one key into buffers of two sizes: ask first
+        status = [ReadStatus.FAILED] * len(keys)
         session = self.session
         store = session.enter()
         try:
             reader = session.reader  # after enter: a delayed set-up makes it
             if reader is not None and reader.failed_endpoints():
-                return self.get(keys, buffers)  # a copy failed lately: steer around it
+                return self.read(keys, buffers)  # a copy failed lately: steer around it
             reads = [Pending(key, p[0], p[1:], None) for key, p in groups.items()]
-            failed = self._read_through_client(store, reader, reads, buffers, ok)
+            failed = self._read_through_client(store, reader, reads, buffers, status)
             if failed and reader is not None:
-                self._failover.read_described(store, reader, failed, buffers, ok)
+                self._failover.read_described(store, reader, failed, buffers, status)
         finally:
             session.leave()
-        return ok
+        return status
 
     def delete(self, keys: list[str]) -> Sequence[bool]:
         """``batch_remove(force=True)``: every read takes a 10 s lease that blocks removal."""
@@ -262,9 +285,13 @@ class Transfers:
         reader: ReplicaReader | None,
         reads: list[Pending],
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
     ) -> list[Pending]:
-        """``batch_get_into``; returns the failed reads another replica could serve."""
+        """``batch_get_into``; returns the failed reads another replica could serve.
+
+        Every other read gets its outcome in ``status``; those returned keep ``FAILED``
+        until fail-over settles them.
+        """
         retry: list[Pending] = []
         landed: Counter[str] = Counter()  # counted per key, added to the counters at once
         for round_, round_reads in self.rounds(reads, buffers):
@@ -276,7 +303,7 @@ class Transfers:
                 for n, (read, code) in enumerate(zip(round_reads, results)):
                     offset = round_.offsets[n]
                     if code == lengths[n]:
-                        landed[self.finish(read, buffers, ok, area, offset)] += 1
+                        landed[self.finish(read, buffers, status, area, offset)] += 1
                     elif code == codes.TRANSFER_FAIL and reader is not None:
                         landed["get_transfer_failed"] += 1
                         # The chosen copy's process is gone but the master still lists
@@ -287,13 +314,19 @@ class Transfers:
                             retry.append(read)
                         else:
                             reader.mark_failed(c.endpoint for c in read.stored.copies)
-                            self._count_get_failure(read, code, lengths[n], offset >= 0)
+                            read.settle(
+                                status,
+                                self._count_get_failure(read, code, lengths[n], offset >= 0),
+                            )
                     elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
                         # Sizes were not asked: the value is shorter than the buffer
                         # (its bytes are in the scratch buffer) or longer (-600, none).
                         landed["get_wrong_size"] += read.wanted
+                        read.settle(status, ReadStatus.WRONG_SIZE)
                     else:
-                        self._count_get_failure(read, code, lengths[n], offset >= 0)
+                        read.settle(
+                            status, self._count_get_failure(read, code, lengths[n], offset >= 0)
+                        )
         # A call that raised counts nothing: its caller sees every key fail.
         self.counters.merge(landed)
         return retry
@@ -302,7 +335,7 @@ class Transfers:
         self,
         read: Pending,
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
         area: memoryview | None,
         offset: int,
     ) -> str:
@@ -316,21 +349,21 @@ class Transfers:
         if area is not None and offset >= 0:
             target[:] = area[offset : offset + target.nbytes]
             path = "get_scratch"
-        ok[read.target] = True
         for other in read.duplicates:
             buffers[other][:] = target
-            ok[other] = True
+        read.settle(status, ReadStatus.LOADED)
         return path
 
     def _count_get_failure(
         self, read: Pending, code: int, expected: int, via_scratch: bool
-    ) -> None:
+    ) -> ReadStatus:
         """Count a failed read once per buffer that wanted the key, as misses found
-        before reading are."""
+        before reading are; return what the code says about the key."""
         key, wanted = read.key, read.wanted
         if code in codes.ABSENT:
             self.counters.add("get_miss", wanted)  # evicted or removed since the size query
-        elif code >= 0:
+            return ReadStatus.MISSING
+        if code >= 0:
             # The value changed size between the size query and the read, which the
             # read lease forbids short of a forced remove and a new put under the same
             # key. Through scratch the caller's buffer is untouched; a registered one
@@ -344,9 +377,14 @@ class Transfers:
                 code,
                 expected,
             )
-        else:
-            self.counters.add("get_failed", wanted)  # e.g. -800: its segment's process died
-            log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
+            return ReadStatus.WRONG_SIZE
+        self.counters.add("get_failed", wanted)  # e.g. -800: its segment's process died
+        log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
+        if code == codes.TRANSFER_FAIL:
+            # Stored, and its bytes are fine, but no copy could be fetched now (the copy
+            # the client chose, or the only one, is on a dead storage process).
+            return ReadStatus.UNREACHABLE
+        return ReadStatus.FAILED
 
     def _count_put_failure(self, key: str, code: int) -> None:
         if code in codes.FULL:

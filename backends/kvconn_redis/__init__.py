@@ -71,7 +71,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from kvconn.backend import Backend, Capabilities
+from kvconn.backend import Backend, Capabilities, ReadStatus
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn.redaction import redact_url
 from kvconn_redis._config import DEFAULT_URL, RedisConfig, make_config
@@ -209,7 +209,16 @@ class RedisBackend(Backend):
         return self._call("put", self._client.put, keys, values)
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
-        return self._call("get", self._client.get, keys, buffers)
+        loaded = ReadStatus.LOADED
+        statuses = self._call("get", self._client.read, keys, buffers, False)
+        return [s is loaded for s in statuses]
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """``MISSING`` (absent) or ``WRONG_SIZE`` (another length, or not a string) per
+        key that did not load; a server that cannot be asked raises, as for every call."""
+        return self._call("get", self._client.read, keys, buffers, True)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._call("delete", self._client.delete, keys)

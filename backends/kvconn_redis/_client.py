@@ -9,10 +9,14 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
   writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
   server is full and may not evict) fails only that key: a dropped save.
-* ``get`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
+* ``read`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
   one slot); each value is checked against its buffer's size and then copied into it
-  once. A value of another size, or a key that holds no string, is that key's miss and
-  its buffer stays untouched.
+  once. A value of another size, or a key that holds no string, fails and its buffer
+  stays untouched. Asked why (``explain``), a key that did not load is ``MISSING`` or
+  ``WRONG_SIZE`` (stored but unreadable: the connector deletes it). ``MGET`` answers nil
+  both for an absent key and for one holding a list or a hash, so on a server the nil
+  keys are asked about with ``EXISTS`` (a second round trip, only for a batch with
+  misses); a cluster's ``GET`` says ``WRONGTYPE`` itself.
 * ``exists`` — ``EXISTS`` per key. Any error reply raises: "could not ask" is never
   "absent".
 
@@ -35,6 +39,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from kvconn.backend import ReadStatus
 from kvconn.errors import BackendError, ConfigError
 from kvconn_redis._config import RedisConfig
 from kvconn_redis._deadline import (
@@ -66,7 +71,9 @@ class Client(Protocol):
 
     def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]: ...
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]: ...
 
     def delete(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -174,18 +181,25 @@ class _Commands:
             out.append(True)  # OK: stored; nil: already present, left untouched
         return out
 
-    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[bool]:
-        """Copy each value into its buffer when the sizes match; errors raise first."""
+    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[ReadStatus]:
+        """Copy each value into its buffer when the sizes match; errors raise first.
+
+        A server answers every key it was asked about, so a key that did not load is
+        either absent or stored as something its buffer cannot take: never "stored but
+        unreachable" (a connection failure raises for the whole call).
+        """
         for reply in replies:
             if isinstance(reply, Exception) and error_code(reply) != "WRONGTYPE":
                 raise reply_error(reply, self.config, "get")
         out = []
         for value, buffer in zip(replies, buffers):
-            if isinstance(value, bytes) and len(value) == buffer.nbytes:
+            if value is None:  # absent (or, from MGET, not a string: see ServerClient)
+                out.append(ReadStatus.MISSING)
+            elif isinstance(value, bytes) and len(value) == buffer.nbytes:
                 buffer[:] = value
-                out.append(True)
-            else:  # absent, another size, or not a string (WRONGTYPE)
-                out.append(False)
+                out.append(ReadStatus.LOADED)
+            else:  # another size, or not a string (WRONGTYPE)
+                out.append(ReadStatus.WRONG_SIZE)
         return out
 
     def _probe_key(self, key_prefix: str) -> str:
@@ -292,7 +306,9 @@ class ServerClient(_Commands):
             )
         self._check_probe(probe, key_prefix)
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]:
         prefix = self.prefix
         try:
             values = self._redis.execute_command(  # type: ignore[no-untyped-call]
@@ -300,7 +316,17 @@ class ServerClient(_Commands):
             )
         except rx.ResponseError as exc:
             raise reply_error(exc, self.config, "get") from exc
-        return self.fill(values, buffers)
+        statuses = self.fill(values, buffers)
+        nil = [i for i, value in enumerate(values) if value is None] if explain else []
+        if nil:
+            # MGET's nil is also its answer for a key holding a list or a hash: such a
+            # key is stored and can never load. (A key stored between the two round
+            # trips reads as unreadable too, and is deleted: one more miss, never a
+            # wrong byte, as in the connector's own check.)
+            for i, there in zip(nil, self.exists([keys[i] for i in nil])):
+                if there:
+                    statuses[i] = ReadStatus.WRONG_SIZE
+        return statuses
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         return _scan(self, self._redis, prefix, set())
@@ -470,7 +496,10 @@ class ClusterClient(_Commands):
         self._probe(pipe, key_prefix)
         self._check_probe(pipe.execute(raise_on_error=False), key_prefix)
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]:
+        # GET answers WRONGTYPE for a key holding no string: nil is only ever absent.
         return self.fill(self._run("GET", keys), buffers)
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import pytest
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.errors import BackendError, InvalidKeyError
 from kvconn.registry import load_backend
 from kvconn.testing.processes import rank_context, start
@@ -240,6 +240,60 @@ class BackendTests:
         assert backend.exists([]) == []
         assert backend.put([], []) == []
         assert backend.get([], []) == []
+        assert backend.read([], []) == []
+
+    # ------------------------------------------------------------ why a read failed
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_read_loads_exactly_what_get_loads(
+        self, backend: Backend, prefix: str, scratch: bool
+    ) -> None:
+        """``read`` is ``get`` telling why: the same keys load, with the same bytes."""
+        keys = [f"{prefix}/{i}" for i in range(5)]
+        values = [_value(i, 100 + 997 * i) for i in range(4)]
+        assert backend.put(keys[:4], values) == [True] * 4
+        # hits, one key twice, a miss, and a stored value asked with another size
+        asked = [keys[0], keys[1], keys[0], keys[4], keys[2], keys[3]]
+        sizes = [len(values[0]), len(values[1]), len(values[0]), 64, len(values[2]) + 1]
+        sizes.append(len(values[3]))
+        got = [bytearray(n) for n in sizes]
+        read = [bytearray(n) for n in sizes]
+        flags = backend.get(asked, got, scratch=scratch)
+        statuses = backend.read(asked, read, scratch=scratch)
+        assert flags == [True, True, True, False, False, True]
+        assert [s is ReadStatus.LOADED for s in statuses] == flags, statuses
+        for ok, a, b in zip(flags, got, read):
+            if ok:
+                assert a == b
+        assert bytes(read[2]) == values[0] and bytes(read[5]) == values[3]
+
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_an_absent_key_reads_as_missing_or_failed(
+        self, backend: Backend, prefix: str, scratch: bool
+    ) -> None:
+        """Never ``UNREACHABLE`` (the connector would keep counting a page that is not
+        there) nor ``WRONG_SIZE`` (it would delete a key nobody stored)."""
+        buf = bytearray(b"\xaa" * 8)
+        statuses = backend.read([f"{prefix}/nothing"], [buf], scratch=scratch)
+        assert statuses in ([ReadStatus.MISSING], [ReadStatus.FAILED])
+        if not scratch:
+            assert buf == bytearray(b"\xaa" * 8)
+
+    @pytest.mark.parametrize("size", [1, 5, 7, 4096])
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_a_value_of_another_size_reads_as_wrong_size_or_failed(
+        self, backend: Backend, prefix: str, size: int, scratch: bool
+    ) -> None:
+        """Stored but unusable: ``WRONG_SIZE`` makes the connector delete and rewrite it.
+        Never ``MISSING`` (it is stored) nor ``UNREACHABLE`` (it would be kept, failing
+        every load until the store dropped it)."""
+        key = f"{prefix}/six"
+        assert backend.put([key], [b"sixsix"]) == [True]
+        buf = bytearray(b"\x11" * size)
+        statuses = backend.read([key], [buf], scratch=scratch)
+        assert statuses in ([ReadStatus.WRONG_SIZE], [ReadStatus.FAILED])
+        if not scratch:
+            assert buf == bytearray(b"\x11" * size)
+        assert backend.exists([key]) == [True]  # reading it changed nothing
 
     @pytest.mark.parametrize(
         "key",
@@ -645,6 +699,8 @@ class BackendTests:
                 backend.exists([key])
             with pytest.raises(BackendError):
                 backend.get([key], [bytearray(5)])
+            with pytest.raises(BackendError):  # "could not ask" is never a status
+                backend.read([key], [bytearray(5)], scratch=True)
             with pytest.raises(BackendError):
                 backend.put([f"{prefix}/new"], [b"value"])
             if backend.capabilities.borrowed_reads:

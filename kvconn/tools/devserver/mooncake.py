@@ -379,6 +379,26 @@ class MooncakeCluster:
                     what=f"the master to drop storage-{index}'s segment",
                 )
 
+    def restart_storage(self, index: int) -> None:
+        """Start storage process ``index`` again after :meth:`kill_storage`; return once
+        its segment is mounted.
+
+        The new process mounts a new, empty segment under a new name (a segment is named
+        after its transfer engine's address, whose port is picked afresh), so it serves
+        none of the objects the old process held: those stay listed on the dead segment,
+        failing reads with ``-800``, until the master drops it (``client_ttl``).
+        """
+        with self._lock:
+            if self.storage_alive(index):
+                raise RuntimeError(f"storage-{index} of {self!r} is still running")
+            before = set(self.segments())
+            self._storage[index] = self._launch_storage(index)
+            self._wait_for(
+                lambda: bool(set(self.segments()) - before),
+                timeout=self.start_timeout,
+                what=f"storage-{index}'s new segment to be mounted",
+            )
+
     def __enter__(self) -> MooncakeCluster:
         return self.start()
 
