@@ -177,7 +177,8 @@ def test_a_repeated_prompt_loads_its_prefix_from_kvconn_with_identical_logprobs(
         assert second["logprobs"] == first["logprobs"]
     else:
         _, reference, _ = engine_run(case.reference)
-        assert reference["runs"][0] == first  # the same engine, so the same first run
+        same = ("token_ids", "logprobs", "num_cached_tokens")  # not the time taken
+        assert {k: reference["runs"][0][k] for k in same} == {k: first[k] for k in same}
         assert reference["runs"][1]["num_cached_tokens"] == second["num_cached_tokens"]
         assert second["logprobs"] == reference["runs"][1]["logprobs"]
     blocks = pages_per_block(store)
