@@ -212,6 +212,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
     def _slots(self, group: int, host_indices: torch.Tensor, pages: int) -> dict[int, torch.Tensor]:
         """The slots of one pool's pages; every other pool's group has none (``NO_SLOT``),
         so the transfer moves exactly the pool SGLang named."""
+        if not isinstance(host_indices, torch.Tensor):
+            raise LayoutError(f"{pages} pages to move without host indices ({host_indices!r})")
         slots = page_slots(host_indices, self.page_size, pages)
         none = torch.full((pages,), NO_SLOT, dtype=torch.long)
         return {g: slots if g == group else none for g in self.pool_groups.values()}
