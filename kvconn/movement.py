@@ -198,7 +198,7 @@ class PageMover:
             for slot, page in zip(slots, pages):
                 piece = np.frombuffer(page, np.uint8, run.nbytes, run.page_offset)
                 target[slot] = piece.view(target.dtype).reshape(shape)
-            del piece
+                del piece  # inside the loop: a call with no page has none to drop
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

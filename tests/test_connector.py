@@ -448,6 +448,35 @@ def test_a_missing_page_outside_the_window_does_not_fail_a_load_that_does_not_as
     assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [1, 2, 3]}).failed == (0, 1, 2)
 
 
+def test_a_load_from_lent_values_with_no_slot_in_a_whole_group_loads_the_other_groups(
+    tmp_path,
+):
+    """A backend that lends its values (LMDB) has each page kind's pages scattered
+    straight from them; a kind with no page in the load (its group has NO_SLOT for every
+    block, as in SGLang's per-pool calls) scatters nothing: the load succeeds and the
+    backend is not taken for broken."""
+    from kvconn.registry import load_backend
+
+    lmdb = load_backend("lmdb", {"path": str(tmp_path)})
+    try:
+        writer, peer = hybrid_pair(lmdb)
+        for conn in (writer, peer):
+            conn.save(HASHES[:4], {0: FULL_SLOTS, 1: SLIDING_SLOTS})
+        pool = torch.zeros(512, dtype=torch.uint8)
+        config = ConnectorConfig(model="m", backend="lmdb", retry_interval_s=0)
+        reader = Connector(config, sliding_layout(), pools=[pool, pool], backend=lmdb)
+        assert lmdb.capabilities.borrowed_reads
+        result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT] * 4})
+        assert result.loaded == 4 and result.ok
+        for src, dst in zip(FULL_SLOTS, [4, 5, 6, 7]):
+            assert torch.equal(
+                pool[dst * 64 : dst * 64 + 64], writer.pools[0][src * 64 : src * 64 + 64]
+            )
+        assert reader.stats.backend_errors == 0
+    finally:
+        lmdb.close()
+
+
 def test_no_slot_may_repeat_but_other_negative_slots_are_refused(store):
     conn = hybrid_pair(store)[0]
     assert conn.save(HASHES[:3], {0: [1, 2, 3], 1: [NO_SLOT, NO_SLOT, NO_SLOT]}).written == 3
