@@ -5,15 +5,24 @@ zero-copy batch calls. Options, configuration through ``MOONCAKE_CONFIG_PATH`` /
 ``MOONCAKE_*``, the storage process data needs, and logging: ``docs/backends.md``.
 Return codes and fault behaviour, as measured: ``docs/notes/mooncake-api.md``.
 
-One concern per module:
+One concern per module, each importing only those listed after it (a test parses the
+imports and keeps it so), so data flows one way and nothing calls back into its caller:
 
+* :mod:`._transfer` - exists / put / get / delete over the zero-copy calls; runs what
+  the fail-over policy decides for keys that failed;
+* :mod:`._session` - the client's set-up behind a master probe, calls in flight, close;
+* :mod:`._failover` - the fail-over policy: for a read or put that failed on a dead
+  storage process, another copy, a final status, or live segments to put to;
+* :mod:`._memory` - registered memory, the scratch area, rounds of a batch;
+* :mod:`._replicas` - where a key's copies lie; reading one from a chosen copy through
+  the shared transfer engine, and the endpoints that failed lately;
 * :mod:`._config` - the options, merged with Mooncake's own settings, checked;
 * :mod:`._library` - loading Mooncake's library with its INFO logging off;
-* :mod:`._session` - the client's set-up behind a master probe, calls in flight, close;
-* :mod:`._memory` - registered memory, the scratch area, rounds of a batch;
-* :mod:`._transfer` - exists / put / get / delete over the zero-copy calls;
-* :mod:`._failover` - reads from a live replica, puts rerouted off a dead segment;
-* :mod:`._codes` - Mooncake's result codes sorted into miss, failure and outage.
+* :mod:`._counters`, :mod:`._codes` - the counters; Mooncake's result codes sorted into
+  miss, failure and outage.
+
+(:mod:`._memory` reads the session's state through its ``Client`` protocol: the one
+place a lower module still asks its owner something.)
 
 Threads: one backend may be called from several threads at once
 (``Capabilities.thread_safe``): the client allows it and releases the GIL while it works;

@@ -17,7 +17,8 @@ Measured with 0.3.13 (``docs/notes/mooncake-api.md``), and what each fact costs 
   the probe then connects, the call is repeated once, so a restart drops nothing. The
   restarted master has lost every object (its metadata lives only there).
 * The client is set up with a transfer engine the session starts itself, so reads can
-  pick their replica (:mod:`kvconn_mooncake._failover`).
+  pick their replica (:mod:`kvconn_mooncake._replicas`); the session owns the
+  :class:`~kvconn_mooncake._replicas.ReplicaReader` over it, for the transfers to use.
 
 Threads: the client's methods may be called from several threads at once. Its Python
 binding releases the GIL in every call that moves bytes or asks the master
@@ -47,8 +48,8 @@ from kvconn_mooncake import _codes as codes
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig
 from kvconn_mooncake._counters import Counters
-from kvconn_mooncake._failover import ReplicaReader, make_engine
 from kvconn_mooncake._memory import Memory
+from kvconn_mooncake._replicas import ReplicaReader, make_engine
 
 log = logging.getLogger(__name__)
 
