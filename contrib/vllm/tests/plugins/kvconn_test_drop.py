@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from kvconn_lmdb import LmdbBackend
 
+from kvconn.backend import ReadStatus
 from kvconn.keys import parse_key, parse_manifest_key
 from kvconn.manifest import PageManifest
 
@@ -131,6 +132,12 @@ class CountingBackend(LmdbBackend):
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         self._note(keys)
         return super()._get(keys, buffers, scratch=scratch)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        self._note(keys)  # striped loads read through the backend's read()
+        return super()._read_status(keys, buffers, scratch=scratch)
 
     def _borrow(
         self, keys: list[str]
