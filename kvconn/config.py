@@ -51,7 +51,10 @@ _NUMERIC = (
     "lookup_wait_s",
     "lookup_timeout_s",
     "load_timeout_s",
+    "verify_replicas_every",
 )
+#: The sparsest sampling of replica checks (``verify_replicas_every``) a config may ask.
+MAX_VERIFY_EVERY = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,11 @@ class ConnectorConfig:
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
+    #: Over a TP group, compare the bytes of a page that several ranks hold across those
+    #: ranks for 1 saved block in this many (and for the first save); 0: never. A page
+    #: kind whose ranks disagree is then keyed per rank (kvconn.replicas). Every rank of
+    #: a group must use the same value.
+    verify_replicas_every: int = 1000
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -103,6 +111,14 @@ class ConnectorConfig:
         for name in ("staging_bytes", "inflight_bytes"):
             object.__setattr__(self, name, _size(getattr(self, name), name))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
+        every = self.verify_replicas_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 0 <= every <= (
+            MAX_VERIFY_EVERY
+        ):
+            raise ConfigError(
+                f"verify_replicas_every must be an int between 0 (never) and "
+                f"{MAX_VERIFY_EVERY}, got {every!r}"
+            )
         for name, low, high in (
             ("retry_interval_s", 0.0, MAX_RETRY_INTERVAL_S),
             ("lookup_wait_s", 0.0, MAX_WAIT_S),
