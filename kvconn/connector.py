@@ -261,7 +261,7 @@ class Connector:
         try:
             with self.group.lock:
                 self._use_keys(self._replicas.check(probe, self.keys))
-            self._replicas.settle()  # markers, deletions: with the new keys in use
+                self._replicas.settle()  # markers, deletions: with the new keys in use
         except Exception:
             log.exception("kvconn: a replica check failed; nothing was decided")
 

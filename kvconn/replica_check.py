@@ -11,11 +11,15 @@ engine saves from one rank: the others would never join). A save is checked for
   connector's first save: the start-up check (at construction there are no meaningful
   bytes to compare);
 * every block :func:`~kvconn.replicas.sampled` picks (1 in ``verify_replicas_every``, by
-  block hash), unless it was compared recently (a popular prefix is saved again and
-  again).
+  block hash).
 
-Which blocks a save checks depends only on the save and the saves before it, never on a
-result, so every rank that makes the same saves makes the same checks.
+Which blocks a save checks depends only on the save itself (and whether it is the
+first), never on a result nor on what was compared before: every rank that makes the
+same save makes the same checks, even after an engine once handed its ranks different
+saves. (Remembering compared blocks, to skip a popular prefix saved again, would let
+such a slip leave the ranks' memories different, and a later identical save checked
+on one rank only would hang the group; the engines' adapters do not save a block they
+already had anyway.)
 
 **How.** One check covers up to ``BLOCKS_PER_CHECK`` blocks:
 
@@ -44,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -78,10 +81,6 @@ from kvconn.stripe import chunk_digest
 log = logging.getLogger("kvconn")
 
 __all__ = ["Probe", "ReplicaCheck"]
-
-#: Blocks remembered as compared, so a prefix saved by request after request is
-#: compared once, not on every save.
-RECENT_BLOCKS = 4096
 
 _told_unverified = False  # the start-up note of a connector without a group: once
 
@@ -119,9 +118,8 @@ class ReplicaCheck:
         self.every = every
         #: Whether saves are checked at all: a group, a sampling rate, shared kinds.
         self.active = group is not None and every > 0 and bool(self.kinds)
-        self._lock = threading.Lock()  # which blocks were compared; saves may race
+        self._lock = threading.Lock()  # whether the first save was made; saves may race
         self._first = True
-        self._recent: OrderedDict[bytes, None] = OrderedDict()
         #: What the last check leaves the store to do (:meth:`settle`).
         self._pending: tuple[PageKeys, set[int], Judgement, Probe] | None = None
         self._told_out_of_step = False
@@ -178,33 +176,40 @@ class ReplicaCheck:
     ) -> list[Probe]:
         """The checks a save makes, with this rank's bytes copied out of the pool.
 
-        Call it for every save, on every rank, in the same order (the module docstring):
-        whether a save is checked depends on the saves before it.
+        Call it for every save, on every rank, in the same order (the module docstring).
         """
         if not self.active or policy is WriterPolicy.ALL or not hashes:
             return []
         with self._lock:
             startup, self._first = self._first, False
-            chosen: list[int] = []
-            picked: set[bytes] = set()
-            spread = set(_spread(len(hashes), BLOCKS_PER_CHECK)) if startup else set()
-            for b, h in enumerate(hashes):
-                if h in picked:
-                    continue
-                if b in spread or (sampled(h, self.every) and h not in self._recent):
-                    chosen.append(b)
-                    picked.add(h)
-            for h in picked:
-                self._recent[h] = None
-                self._recent.move_to_end(h)
-            while len(self._recent) > RECENT_BLOCKS:
-                self._recent.popitem(last=False)
+        spread = set(_spread(len(hashes), BLOCKS_PER_CHECK)) if startup else set()
+        chosen: list[int] = []
+        picked: set[bytes] = set()
+        for b, h in enumerate(hashes):
+            if h not in picked and (b in spread or sampled(h, self.every)):
+                chosen.append(b)
+                picked.add(h)
         return [
             self._probe(hashes, chosen[i : i + BLOCKS_PER_CHECK], slots, movers, device)
             for i in range(0, len(chosen), BLOCKS_PER_CHECK)
         ]
 
     def _probe(
+        self,
+        hashes: Sequence[bytes],
+        blocks: Sequence[int],
+        slots: SlotMap,
+        movers: Sequence[PageMover],
+        device: torch.device,
+    ) -> Probe:
+        try:
+            return self._copy(hashes, blocks, slots, movers, device)
+        except Exception:  # still take part in the check, with nothing to compare
+            log.exception("kvconn: copying pages for a replica check failed")
+            none: list[torch.Tensor | None] = [None] * len(self.kinds)
+            return Probe([hashes[b] for b in blocks], none, [[False] * len(blocks)] * len(none))
+
+    def _copy(
         self,
         hashes: Sequence[bytes],
         blocks: Sequence[int],

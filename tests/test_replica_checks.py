@@ -213,6 +213,40 @@ def test_identical_replicated_bytes_are_compared_at_the_first_save_and_on_sample
         assert payload["closed"]
 
 
+def _out_of_step(rank: int, path: str, rendezvous: str, results: Any) -> None:
+    try:
+        r = _Rank(rank, get_preset("deepseek-v3.2").layout(2, 2, SLOTS, 32), path, rendezvous)
+        conn = r.connector(verify_replicas_every=1)
+        r.compute(A + B, range(8))
+        mine = A if rank == 0 else B  # an engine that handed the ranks different saves
+        assert conn.save(mine, [0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7]).ok
+        astray = (conn.stats.group_mismatches, conn.stats.replicas_verified)
+        r.barrier()
+        assert conn.save(B, [4, 5, 6, 7]).ok  # the same save on both: compared again
+        payload = {
+            "astray": astray,
+            "after": (conn.stats.group_mismatches, conn.stats.replicas_verified),
+            "mismatch": conn.stats.replica_mismatch,
+            "per_rank": conn.stats.per_rank,
+            "errors": r.log.at(logging.ERROR),
+        }
+        conn.close()
+        r.close()
+        results.put((rank, payload))
+    except BaseException:
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+def test_ranks_comparing_different_blocks_decide_nothing_and_the_next_check_compares(tmp_path):
+    for payload in _run(_out_of_step, 2, tmp_path):
+        assert payload["astray"] == (1, 0)
+        assert payload["mismatch"] == 0 and payload["per_rank"] == ()
+        assert len(payload["errors"]) == 1 and "not comparing the same" in payload["errors"][0]
+        # B, compared by rank 1 in the slip, is compared again on both: checks depend on
+        # the save alone, so the group is back in step
+        assert payload["after"] == (1, 4)
+
+
 # ------------------------------------------------------------------ one rank differs
 def _index_k_differs(rank: int, path: str, rendezvous: str, results: Any) -> None:
     """MiniMax-M3 at TP=4: rank 1 computes an index-K the other three do not."""
