@@ -252,7 +252,9 @@ class Connector:
         policy = self.config.writer_policy
         if writer_policy is not None:
             policy = WriterPolicy.parse(writer_policy)
-        return self._replicas.probes(hashes, slots, self._require_pools(), self.device, policy)
+        return self._replicas.probes(
+            hashes, slots, self._require_pools(), self.device, policy, self.keys.per_rank
+        )
 
     def check_replicas(self, probe: Probe) -> None:
         """Compare ``probe``'s pages with the other ranks' copies (collective, in order

@@ -16,10 +16,9 @@ engine saves from one rank: the others would never join). A save is checked for
 Which blocks a save checks depends only on the save itself (and whether it is the
 first), never on a result nor on what was compared before: every rank that makes the
 same save makes the same checks, even after an engine once handed its ranks different
-saves. (Remembering compared blocks, to skip a popular prefix saved again, would let
-such a slip leave the ranks' memories different, and a later identical save checked
-on one rank only would hang the group; the engines' adapters do not save a block they
-already had anyway.)
+saves. So a sampled block saved again is compared again: remembering compared blocks
+would let such a slip leave the ranks' memories different, and a later identical save
+checked on one rank only would hang the group.
 
 **How.** One check covers up to ``BLOCKS_PER_CHECK`` blocks:
 
@@ -48,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -173,10 +172,13 @@ class ReplicaCheck:
         movers: Sequence[PageMover],
         device: torch.device,
         policy: WriterPolicy,
+        per_rank: Collection[int] = (),
     ) -> list[Probe]:
         """The checks a save makes, with this rank's bytes copied out of the pool.
 
         Call it for every save, on every rank, in the same order (the module docstring).
+        Kinds already keyed per rank (``per_rank``) are not copied: by the time the check
+        runs they still are, on every rank, and are not compared.
         """
         if not self.active or policy is WriterPolicy.ALL or not hashes:
             return []
@@ -190,7 +192,7 @@ class ReplicaCheck:
                 chosen.append(b)
                 picked.add(h)
         return [
-            self._probe(hashes, chosen[i : i + BLOCKS_PER_CHECK], slots, movers, device)
+            self._probe(hashes, chosen[i : i + BLOCKS_PER_CHECK], slots, movers, device, per_rank)
             for i in range(0, len(chosen), BLOCKS_PER_CHECK)
         ]
 
@@ -201,9 +203,10 @@ class ReplicaCheck:
         slots: SlotMap,
         movers: Sequence[PageMover],
         device: torch.device,
+        skip: Collection[int],
     ) -> Probe:
         try:
-            return self._copy(hashes, blocks, slots, movers, device)
+            return self._copy(hashes, blocks, slots, movers, device, skip)
         except Exception:  # still take part in the check, with nothing to compare
             log.exception("kvconn: copying pages for a replica check failed")
             none: list[torch.Tensor | None] = [None] * len(self.kinds)
@@ -216,12 +219,13 @@ class ReplicaCheck:
         slots: SlotMap,
         movers: Sequence[PageMover],
         device: torch.device,
+        skip: Collection[int],
     ) -> Probe:
         pages: list[torch.Tensor | None] = []
         has_slot: list[list[bool]] = []
         for kind in self.kinds:
             group_slots = slots[kind.plan.group]
-            flags = [int(group_slots[b]) != NO_SLOT for b in blocks]
+            flags = [kind.index not in skip and int(group_slots[b]) != NO_SLOT for b in blocks]
             has_slot.append(flags)
             held = [b for b, there in zip(blocks, flags) if there]
             if not held:

@@ -124,7 +124,7 @@ def test_a_replica_probe_copies_a_gpu_pool_s_shared_pages_as_a_cpu_pool_gives_th
             conn.keys, rank=0, group=None, calls=conn.calls, stats=conn.stats, every=1
         )
         slots = {0: torch.tensor([3, NO_SLOT, 7, 1])}
-        probe = check._probe(hashes, [0, 1, 2, 3], slots, conn._require_pools(), pool.device)
+        probe = check._probe(hashes, [0, 1, 2, 3], slots, conn._require_pools(), pool.device, ())
         probe.ready()
         digests.append(check._digests(probe, ()))
     assert digests[0] == digests[1]
