@@ -91,7 +91,9 @@ def _rank(
         for slot, h in enumerate(hashes):
             compute_block(layout, rank, pools, h, slot)
         conns = {
-            "striped": Connector(config, layout, rank=rank, pools=pools, group=group),
+            "striped": Connector(
+                {**config, "stripe_reads": True}, layout, rank=rank, pools=pools, group=group
+            ),
             "unstriped": Connector(config, layout, rank=rank, pools=pools),
         }
         assert conns["unstriped"].save(hashes, list(range(blocks))).ok

@@ -52,7 +52,10 @@ _NUMERIC = (
     "lookup_timeout_s",
     "load_timeout_s",
     "stripe_reads",
+    "verify_replicas_every",
 )
+#: The sparsest sampling of replica checks (``verify_replicas_every``) a config may ask.
+MAX_VERIFY_EVERY = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,11 @@ class ConnectorConfig:
     #: Pays against a store behind a network; against an embedded one (LMDB) the
     #: exchange costs more than reading again (docs/performance.md), hence off by default.
     stripe_reads: bool = False
+    #: Over a TP group, compare the bytes of a page that several ranks hold across those
+    #: ranks for 1 saved block in this many (and for the first save); 0: never. A page
+    #: kind whose ranks disagree is then keyed per rank (kvconn.replicas). Every rank of
+    #: a group must use the same value.
+    verify_replicas_every: int = 1000
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -111,6 +119,14 @@ class ConnectorConfig:
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
         if not isinstance(self.stripe_reads, bool):
             raise ConfigError(f"stripe_reads must be true or false, got {self.stripe_reads!r}")
+        every = self.verify_replicas_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 0 <= every <= (
+            MAX_VERIFY_EVERY
+        ):
+            raise ConfigError(
+                f"verify_replicas_every must be an int between 0 (never) and "
+                f"{MAX_VERIFY_EVERY}, got {every!r}"
+            )
         for name, low, high in (
             ("retry_interval_s", 0.0, MAX_RETRY_INTERVAL_S),
             ("lookup_wait_s", 0.0, MAX_WAIT_S),

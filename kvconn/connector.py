@@ -15,7 +15,10 @@ It applies DESIGN.md's rules, each owned by its own module and orchestrated here
 * backend errors become misses and dropped saves, counted and logged, never exceptions
   into the serving loop (rule 6; :mod:`kvconn.calls`);
 * the first save that reaches the store also puts the layout manifest of every page kind
-  (:mod:`kvconn.manifests`).
+  (:mod:`kvconn.manifests`);
+* over a TP group, the ranks that hold the same page compare their bytes at the first
+  save and on a sample of saves; a page kind whose holders differ is keyed per rank from
+  then on (:mod:`kvconn.replica_check`).
 
 ``save`` and ``load`` run on the caller's thread. :class:`kvconn.transfer.TransferService`
 runs the same steps in the background and reports per-block outcomes through handles:
@@ -29,18 +32,21 @@ declare ``Capabilities.thread_safe`` are serialized (:mod:`kvconn.calls`).
 ``register_pools`` and ``close`` are not meant to race with transfers.
 
 TP group (optional): a connector given the engine's TP ranks as a ``torch.distributed``
-process group (``group=``) reads each page that several ranks hold once per group and
-passes it to the other ranks over the group (:mod:`kvconn.striped_load`); loads then
-report the same blocks loaded and failed on every rank. Its loads are collective: every
-rank must make the same loads in the same order (engines do: the scheduler's metadata
-names them), one at a time. Building such a connector is collective too: the ranks
-check, once, that they agree on the layout and the chunking of loads.
+process group (``group=``) compares, now and then, the bytes of pages several ranks hold
+(``verify_replicas_every``; :mod:`kvconn.replica_check`), and with ``stripe_reads``
+reads each such page once per group and passes it to the other ranks over the group
+(:mod:`kvconn.striped_load`); striped loads then report the same blocks loaded and
+failed on every rank. Checks (at saves) and striped loads are collective: every rank
+must make the same saves and loads in the same order (engines do: the scheduler's
+metadata names them), one at a time. Building such a connector is collective too: the
+ranks check, once, that they agree on the layout and the chunking of loads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +65,14 @@ from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
 from kvconn.repair import PageRepair, Verdict, check
+from kvconn.replica_check import Probe, ReplicaCheck
 from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_outcomes
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
 from kvconn.striped_load import Gate, StripedLoad, Take
+
+log = logging.getLogger("kvconn")
 
 __all__ = [
     "CapturedPages",
@@ -151,7 +160,10 @@ class Connector:
         self.calls.check_keys(
             self.keys.key_shapes(), model=self.config.model, namespace=self.config.namespace
         )
-        self._lookup = Lookup(self.config, self.layout, keys=self.keys, calls=self.calls)
+        # Its keys change with this rank's, at replica checks, never on its own.
+        self._lookup = Lookup(
+            self.config, self.layout, keys=self.keys, calls=self.calls, follow_markers=False
+        )
         self._repair = PageRepair(self.calls)
         self._manifests = ManifestWriter(self.calls, self.keys.manifests)
         self._movers: list[PageMover] | None = None
@@ -164,6 +176,18 @@ class Connector:
         self._striped: StripedLoad | None = None
         if group is not None:
             self._join(group)
+        # Pages several ranks hold are compared across them over the group now and then,
+        # and keyed per rank where they differ (kvconn.replica_check); kinds the store
+        # already marks per rank are keyed so from the start (collective with a group).
+        self._replicas = ReplicaCheck(
+            self.keys,
+            rank=rank,
+            group=self.group,
+            calls=self.calls,
+            stats=self.stats,
+            every=self.config.verify_replicas_every,
+        )
+        self._use_keys(self._replicas.start(self.keys))
         if pools is not None:
             self.register_pools(pools)
 
@@ -196,9 +220,53 @@ class Connector:
                 "blocks): give every rank the same staging_bytes"
             )
         self.group = tp
-        self._striped = StripedLoad(
-            tp, self.shares, self.prefix, self.calls, self._repair, self.stats, self._sync
+        if self.config.stripe_reads:  # else the group serves replica checks only
+            self._striped = StripedLoad(
+                tp, self.shares, self.prefix, self.calls, self._repair, self.stats, self._sync
+            )
+
+    def _use_keys(self, keys: PageKeys) -> None:
+        """Key pages by ``keys`` from now on (page kinds fallen back to per-rank keys):
+        this rank's lookups, saves, loads and striped reads.
+
+        Called under the group's lock, so no striped load is under way; a save captured
+        under the old keys and stored later is dropped for those kinds
+        (:meth:`store_captured`), never written under the shared key it gave up."""
+        if keys is self.keys:
+            return
+        self.keys = keys
+        self.plans = keys.plans
+        self.shares = keys.shares(self.rank)
+        self._lookup.keys = keys
+        if self._striped is not None:
+            self._striped.shares = self.shares
+
+    # ------------------------------------------------------------------ replicas
+    def replica_probes(
+        self, hashes: Sequence[bytes], slots: SlotMap, writer_policy: WriterPolicy | str | None
+    ) -> list[Probe]:
+        """The replica checks a save makes, this rank's bytes copied out of the pool.
+
+        Call for every save, on every rank, in the same order (:mod:`kvconn.replica_check`);
+        run each with :meth:`check_replicas` where the group's collectives run.
+        """
+        policy = self.config.writer_policy
+        if writer_policy is not None:
+            policy = WriterPolicy.parse(writer_policy)
+        return self._replicas.probes(
+            hashes, slots, self._require_pools(), self.device, policy, self.keys.per_rank
         )
+
+    def check_replicas(self, probe: Probe) -> None:
+        """Compare ``probe``'s pages with the other ranks' copies (collective, in order
+        with striped loads: under the group's lock). Never raises into a save."""
+        assert self.group is not None, "replica checks run over a group"
+        try:
+            with self.group.lock:
+                self._use_keys(self._replicas.check(probe, self.keys))
+                self._replicas.settle()  # markers, deletions: with the new keys in use
+        except Exception:
+            log.exception("kvconn: a replica check failed; nothing was decided")
 
     # ------------------------------------------------------------------ setup
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
@@ -279,6 +347,9 @@ class Connector:
         rank then writes every page it holds that is not stored yet.
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
+        # Before the store: a kind found different is stored per rank by this very save.
+        for probe in self.replica_probes(hashes, slots_, writer_policy):
+            self.check_replicas(probe)
         pages = self.owned_pages(hashes, slots_, writer_policy)
         if not pages:
             return SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes))
@@ -362,6 +433,13 @@ class Connector:
         except Unavailable:
             return [self._give_up(c.blocks, c.pages) for c in batch]
         todo = _first_missing(pages, present)
+        if self.keys.per_rank:
+            # A page captured under a shared key its kind has since given up (a replica
+            # check found its ranks' bytes different) is dropped, not stored.
+            shares = self.shares
+            for key, i in list(todo.items()):
+                if f"/{shares[pages[i].share].plan.fingerprint}/" not in key:
+                    del todo[key]
         chosen = list(todo.values())
         ok = self._put_values([pages[i] for i in chosen], [values[i] for i in chosen])
         ok_by_key = dict(zip(todo, ok))

@@ -2,22 +2,25 @@
 
 An engine hands its connector a ``torch.distributed`` process group whose ranks are
 exactly its TP group, in TP-rank order (gloo on CPUs; NCCL on GPUs, where the pages
-travel between devices). Two kinds of calls go over it, and only these:
+travel between devices). Three kinds of calls go over it, and only these:
 
 * :meth:`TpGroup.agree` — one small ``all_reduce(MIN)`` per chunk of a load: the first
   block that failed on any rank, and a digest of the chunk's block hashes, so every rank
   learns the same good prefix and that every rank is loading the same blocks;
 * :meth:`TpGroup.exchange` — point-to-point sends and receives of verified staging
   rows (``batch_isend_irecv``), only between replicas of one shard, only for blocks of
-  the agreed prefix.
+  the agreed prefix;
+* :meth:`TpGroup.gather` — one small ``all_gather`` per replica check: every rank's
+  digests of the pages it holds with others (:mod:`kvconn.replica_check`).
 
 Collectives must be issued in the same order on every rank. So a connector makes them
-one load at a time (:attr:`TpGroup.lock`), and the engine must submit the same loads in
-the same order on every rank — which engines do: the scheduler's metadata, broadcast to
-every worker, names the loads. The group should be kvconn's own (the engine's TP ranks
-in a group of its own, ``torch.distributed.new_group(ranks)``): kvconn's collectives run
-on a transfer thread, and on a group the engine also uses from its forward pass the two
-streams of collectives could interleave differently on different ranks.
+one load or check at a time (:attr:`TpGroup.lock`), and the engine must submit the same
+loads and saves in the same order on every rank — which engines do: the scheduler's
+metadata, broadcast to every worker, names them. The group should be kvconn's own (the
+engine's TP ranks in a group of its own, ``torch.distributed.new_group(ranks)``):
+kvconn's collectives run on a transfer thread, and on a group the engine also uses from
+its forward pass the two streams of collectives could interleave differently on
+different ranks.
 """
 
 from __future__ import annotations
@@ -102,6 +105,13 @@ class TpGroup:
         good, low, minus_high = tensor.tolist()
         same = low == -minus_high
         return Agreement(good if same else 0, same)
+
+    def gather(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (int64, the same count on every rank), by group rank."""
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor, group=self.group)
+        return [t.tolist() for t in out]
 
     def exchange(self, transfers: Sequence[Transfer]) -> None:
         """Run every send and receive of a chunk at once and wait for all of them.

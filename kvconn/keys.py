@@ -12,6 +12,10 @@ kind, whose value describes in JSON what the fingerprint hashes (roles, dtypes, 
 so a tool that only sees keys can tell which roles a page holds. The two forms never
 collide: a manifest key has five segments and ``_layout`` in the shard position, where
 a page key has six and ``replicated`` or ``w<N>r<i>``.
+
+Per-rank markers: ``{namespace}/{model}/_per_rank/lg{group}/{fingerprint}``, one per page
+kind whose ranks were found holding different bytes where they should hold the same
+(:mod:`kvconn.replicas`); five segments, ``_per_rank`` in the shard position.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvconn.errors import ConfigError
 REPLICATED = "replicated"
 #: The segment, in the shard position, that marks a layout manifest key.
 LAYOUT = "_layout"
+#: The segment, in the shard position, that marks a per-rank marker (kvconn.replicas).
+PER_RANK = "_per_rank"
 
 
 def shard_component(num_shards: int | None, shard_index: int = 0) -> str:
@@ -99,6 +105,16 @@ def manifest_prefix(prefix: str) -> str:
 def manifest_key(prefix: str, group: int, fingerprint: str) -> str:
     """The key of the manifest of the page kind ``fingerprint`` in layer group ``group``."""
     return f"{manifest_prefix(prefix)}lg{group}/{fingerprint}"
+
+
+def per_rank_key(prefix: str, group: int, fingerprint: str) -> str:
+    """The marker of a page kind whose ranks were found holding different bytes.
+
+    ``fingerprint`` is the kind's own (shared) fingerprint. While the marker exists, every
+    process that honours it keys that kind per rank (:mod:`kvconn.replicas`). Five
+    segments with ``_per_rank`` in the shard position: never a page nor a manifest key.
+    """
+    return f"{prefix}{PER_RANK}/lg{group}/{fingerprint}"
 
 
 # ---------------------------------------------------------------- parsing

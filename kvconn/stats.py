@@ -57,8 +57,17 @@ class ConnectorStats:
         #: Asynchronous saves dropped because in-flight staging was at its ceiling.
         self.staging_full = 0
         #: Striped loads whose ranks were not loading the same blocks (an engine that
-        #: skipped a load on some rank): failed on every rank, nothing exchanged.
+        #: skipped a load on some rank): failed on every rank, nothing exchanged; and
+        #: replica checks whose ranks were not comparing the same blocks.
         self.group_mismatches = 0
+        #: Pages several ranks hold whose copies a replica check compared and found
+        #: identical on every holder (kvconn.replicas)...
+        self.replicas_verified = 0
+        #: ...and found different: their page kind is keyed per rank from then on.
+        self.replica_mismatch = 0
+        #: Page kinds keyed per rank (``lg0/replicated``…): found different here, or
+        #: marked so in the store by another instance.
+        self.per_rank: tuple[str, ...] = ()
 
     def add(self, event: str, plan: PagePlan, pages: int) -> None:
         if pages <= 0:
@@ -75,18 +84,21 @@ class ConnectorStats:
                 r.pages += pages
                 r.bytes += pages * nbytes
 
-    def bump(self, counter: str) -> None:
-        """Add one to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
-        ``staging_full``, ``group_mismatches``), thread-safely."""
+    def bump(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
+        ``staging_full``, ``group_mismatches``, ``replicas_verified``,
+        ``replica_mismatch``), thread-safely."""
         assert counter in (
             "lookups",
             "lookup_errors",
             "backend_errors",
             "staging_full",
             "group_mismatches",
+            "replicas_verified",
+            "replica_mismatch",
         ), counter
         with self._lock:
-            setattr(self, counter, getattr(self, counter) + 1)
+            setattr(self, counter, getattr(self, counter) + n)
 
     def pages(self, event: str) -> int:
         return self.total[event].pages if event in self.total else 0
@@ -115,4 +127,7 @@ class ConnectorStats:
                 "lookup_errors": self.lookup_errors,
                 "staging_full": self.staging_full,
                 "group_mismatches": self.group_mismatches,
+                "replicas_verified": self.replicas_verified,
+                "replica_mismatch": self.replica_mismatch,
+                "per_rank": list(self.per_rank),
             }

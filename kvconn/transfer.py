@@ -51,6 +51,7 @@ from kvconn.arena import Arena, Piece
 from kvconn.connector import CapturedPages, Connector
 from kvconn.errors import ConnectorClosed
 from kvconn.plan import WriterPolicy
+from kvconn.replica_check import Probe
 from kvconn.results import LoadResult, Outcome, SaveResult
 from kvconn.slots import SlotMap, Slots
 
@@ -185,9 +186,17 @@ class _LoadJob:
 
 
 @dataclass
+class _CheckJob:
+    """A replica check (kvconn.replica_check): collective, so it waits in the load queue,
+    in submission order with the loads."""
+
+    probe: Probe
+
+
+@dataclass
 class _Queues:
     store: collections.deque[_StoreJob] = field(default_factory=collections.deque)
-    load: collections.deque[_LoadJob] = field(default_factory=collections.deque)
+    load: collections.deque[_LoadJob | _CheckJob] = field(default_factory=collections.deque)
 
 
 class TransferService:
@@ -254,8 +263,11 @@ class TransferService:
         checked = [conn.check_transfer(r.block_hashes, r.slots) for r in requests]
         transfers: list[Transfer] = []
         jobs: list[_StoreJob] = []
+        checks: list[_CheckJob] = []
         with self._capture_stream():
             for request, (hashes, slots) in zip(requests, checked):
+                probes = conn.replica_probes(hashes, slots, request.writer_policy)
+                checks.extend(_CheckJob(probe) for probe in probes)
                 transfer = Transfer("save", request.tag, len(hashes))
                 transfer._on_done = self._record
                 transfers.append(transfer)
@@ -277,9 +289,10 @@ class TransferService:
                     captured = conn.capture(hashes, slots, part, piece.tensor, piece.view)
                     transfer._captures.append(captured)
                     jobs.append(_StoreJob(transfer, captured, piece))
-        if jobs:
+        if jobs or checks:
             with self._cond:
                 self._queues.store.extend(jobs)
+                self._queues.load.extend(checks)
                 self._start_threads()
                 self._cond.notify_all()
         return transfers
@@ -438,6 +451,9 @@ class TransferService:
                 if self._closing and not (self.ordered and self._queues.load):
                     return
                 job = self._queues.load.popleft()
+            if isinstance(job, _CheckJob):
+                self.connector.check_replicas(job.probe)
+                continue
             transfer = job.transfer
             try:
                 result = self._run_load(job)

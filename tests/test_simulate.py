@@ -338,6 +338,36 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         load_preset(path)
 
 
+# ---------------------------------------------------------------- replica checks
+def test_an_injected_index_k_mismatch_is_found_at_the_first_save_and_no_load_differs(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    code, report = simulate(capsys, store, "--tp", "4", "--inject-mismatch", "index_k:1")
+    assert code == 0 and report["errors"] == 0 and report["pages_verified"] > 0
+    assert report["mismatch_injected"] == "index_k:1"
+    assert report["replica_mismatch"] > 0 and report["replicas_verified"] == 0
+    assert report["per_rank_kinds"] == ["lg0/replicated"]
+    # index-K is stored per rank from the first save on: every rank's own copy
+    written = report["pages_written_by_role"]
+    assert written["index_k"] == written["k"]
+    # a second run adopts the store's marker at start-up and hits what the first stored
+    code, again = simulate(capsys, store, "--tp", "4", "--inject-mismatch", "index_k:1")
+    assert code == 0 and again["errors"] == 0 and again["hit_tokens"] > 0
+    assert again["per_rank_kinds"] == ["lg0/replicated"] and again["replica_mismatch"] == 0
+
+
+def test_without_a_mismatch_the_first_save_verifies_and_nothing_is_keyed_per_rank(
+    capsys, tmp_path
+):
+    code, report = simulate(capsys, tmp_path / "store", "--tp", "4")
+    assert code == 0 and report["errors"] == 0
+    assert report["replicas_verified"] > 0 and report["replica_mismatch"] == 0
+    assert report["per_rank_kinds"] == []
+    _, off = simulate(capsys, tmp_path / "other", "--tp", "4", "--verify-replicas-every", "0")
+    assert off["replicas_verified"] == 0 and off["verify_replicas_every"] == 0
+
+
 # ---------------------------------------------------------------- bad options
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -361,6 +391,10 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["-o", "sync=no"], "lmdb: sync must be true or false, got 'no'"),
         (["-o", "max_readers=-1"], "lmdb: max_readers must be an int between 1 and 65536"),
         (["-o", "path=''"], "lmdb: path must be a non-empty directory path"),
+        (["--inject-mismatch", "index_k"], "--inject-mismatch expects ROLE:RANK"),
+        (["--inject-mismatch", "latent:1"], "has no role 'latent'; its roles: k, v, index_k"),
+        (["--inject-mismatch", "index_k:8"], "rank 8 is not a rank of TP=8"),
+        (["--verify-replicas-every", "-1"], "verify_replicas_every must be an int between 0"),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(capsys, tmp_path, args, message):

@@ -50,7 +50,13 @@ class _Rank:
         self.layout = _layout()
         self.pools = [torch.zeros(n, dtype=torch.uint8) for n in self.layout.pool_sizes]
         config = ConnectorConfig.from_dict(
-            {"model": "m", "backend": "lmdb", "options": {"path": path}, "retry_interval_s": 0}
+            {
+                "model": "m",
+                "backend": "lmdb",
+                "options": {"path": path},
+                "retry_interval_s": 0,
+                "stripe_reads": True,
+            }
         )
         self.conn = Connector(config, self.layout, rank=rank, pools=self.pools, group=self.group)
         for slot, h in enumerate(A + B):
@@ -262,7 +268,7 @@ def _swapped_ranks(rank: int, path: str, rendezvous: str, results: Any) -> None:
     group = gloo_group(rank, WORLD, rendezvous)
     layout = _layout()
     pools = [torch.zeros(n, dtype=torch.uint8) for n in layout.pool_sizes]
-    config = {"model": "m", "backend": "lmdb", "options": {"path": path}}
+    config = {"model": "m", "backend": "lmdb", "options": {"path": path}, "stripe_reads": True}
     try:
         Connector(config, layout, rank=1 - rank, pools=pools, group=group)
         results.put((rank, "built"))
@@ -280,7 +286,7 @@ def test_a_group_whose_ranks_are_not_the_tp_ranks_in_order_is_refused_on_every_r
 def _group_of_other_size(rank: int, path: str, rendezvous: str, results: Any) -> None:
     group = gloo_group(rank, WORLD, rendezvous)
     layout = get_preset("deepseek-v3.2").layout(4, 2, 16, 32)
-    config = {"model": "m", "backend": "lmdb", "options": {"path": path}}
+    config = {"model": "m", "backend": "lmdb", "options": {"path": path}, "stripe_reads": True}
     try:
         Connector(config, layout, rank=rank, group=group)
         results.put((rank, "built"))

@@ -138,6 +138,8 @@ def _rank_main(
         layout = layout_factory()
         pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
         group = None if rendezvous is None else gloo_group(rank, layout.tp_size, rendezvous)
+        if group is not None:  # a group is for striped loads here, unless the config says
+            config = {"stripe_reads": True, **config}
         conn = Connector(
             ConnectorConfig.from_dict(config), layout, rank=rank, pools=pools, group=group
         )

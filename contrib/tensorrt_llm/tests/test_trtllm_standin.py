@@ -160,6 +160,18 @@ def test_with_stripe_reads_the_pair_reads_each_shared_page_once_and_loads_identi
     assert all(counted(r, "loaded") == 5 for r in striped)
 
 
+def test_with_stripe_reads_the_pair_compares_its_shared_k_v_from_the_first_save_and_agrees(
+    runs,
+):
+    """The group stripe_reads builds also carries replica checks (verify_replicas_every,
+    default 1000): the first save's blocks are compared on both ranks, found equal."""
+    for r in served(runs, "striped"):
+        assert r["kvconn"]["replicas_verified"] > 0
+        assert r["kvconn"]["replica_mismatch"] == 0 and r["kvconn"]["per_rank"] == []
+    for r in served(runs, "gqa"):  # no group: nothing compared
+        assert r["kvconn"]["replicas_verified"] == 0
+
+
 def test_the_same_prompt_under_another_lora_adapter_misses(runs):
     for r in served(runs, "lora"):
         assert [e["matched_tokens"] for e in r["requests"]] == [0, 0, 20]

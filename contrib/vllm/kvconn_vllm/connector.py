@@ -127,16 +127,18 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
-def _stripe_group(config: ConnectorConfig) -> Any:
-    """A gloo group of this worker's TP ranks for striped reads, or ``None``.
+def _tp_group(config: ConnectorConfig) -> Any:
+    """A gloo group of this worker's TP ranks, or ``None`` when kvconn has no use for one.
 
-    With ``stripe_reads`` each page several ranks hold is read once per TP group and
-    passed over this group (:mod:`kvconn.striped_load`). kvconn's own group, not vLLM's:
-    its collectives run on a transfer thread and must not interleave with vLLM's. gloo
-    on every device: it moves verified host staging rows (the tested path). Collective:
-    every rank of the world creates every TP group's, in the same order.
+    Over it kvconn compares the bytes of pages several ranks hold, at the first save and
+    then 1 save in ``verify_replicas_every`` (:mod:`kvconn.replica_check`), and with
+    ``stripe_reads`` reads each such page once per group (:mod:`kvconn.striped_load`).
+    kvconn's own group, not vLLM's: its collectives run on a transfer thread and must
+    not interleave with vLLM's. gloo on every device: it moves verified host staging
+    rows (the tested path). Collective: every rank of the world creates every TP group's,
+    in the same order.
     """
-    if not config.stripe_reads:
+    if not config.stripe_reads and config.verify_replicas_every == 0:
         return None
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
@@ -216,7 +218,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             layout,
             rank=get_tensor_model_parallel_rank(),
             pools=pools,
-            group=_stripe_group(self._config),
+            group=_tp_group(self._config),
         )
         self._service = TransferService(self._conn)
 

@@ -90,6 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "passing it to the others over the group",
     )
     run_group.add_argument(
+        "--verify-replicas-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="over the gloo group, compare the pages several ranks hold across them at "
+        "the first save and for 1 saved block in N (configuration verify_replicas_every, "
+        "default 1000; 0: never)",
+    )
+    run_group.add_argument(
+        "--inject-mismatch",
+        metavar="ROLE:RANK",
+        default=None,
+        help="fault injection: rank RANK computes role ROLE differently from the ranks it "
+        "shares it with (e.g. index_k:1); replica checks should name it and key that "
+        "page kind per rank (use a store without this model's earlier pages: loads before "
+        "the first check read them, and the report counts those as errors)",
+    )
+    run_group.add_argument(
         "--start-method",
         choices=("forkserver", "spawn"),
         default=None,
@@ -122,6 +140,16 @@ def _layers(text: str, preset: Preset) -> int:
     return preset.resolve_layers(value)
 
 
+def _mismatch(text: str | None) -> tuple[str, int] | None:
+    """``--inject-mismatch ROLE:RANK`` as ``(role, rank)``."""
+    if text is None:
+        return None
+    role, sep, rank = text.rpartition(":")
+    if not sep or not role or not rank.isdigit():
+        raise ConfigError(f"--inject-mismatch expects ROLE:RANK (e.g. index_k:1), got {text!r}")
+    return role, int(rank)
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     """Validated :class:`~kvconn.tools.simulate.runner.SimSettings` from parsed arguments."""
     import multiprocessing
@@ -131,7 +159,9 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     preset = _preset(args)
     layers = _layers(args.layers, preset)
-    overrides = {"writer_policy": args.policy} if args.policy else None
+    overrides: dict[str, Any] = {"writer_policy": args.policy} if args.policy else {}
+    if args.verify_replicas_every is not None:
+        overrides["verify_replicas_every"] = args.verify_replicas_every
     config = connector_config(args, preset.name, overrides)
     workload = WorkloadSpec(
         seed=args.seed,
@@ -157,6 +187,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         start_method=start_method,
         salt=args.salt,
         stripe=args.stripe,
+        mismatch=_mismatch(args.inject_mismatch),
     )
     preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # fail fast on units
     return settings

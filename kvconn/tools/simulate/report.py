@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvconn.integrity import PageChecksum
 from kvconn.layout import KvLayout
+from kvconn.plan import plan_pages
 from kvconn.tools.store_options import human_bytes
 
 if TYPE_CHECKING:
@@ -87,11 +88,22 @@ def build_report(
     }
     payload = sum(bytes_by_rank)
     checksum_bytes = PageChecksum(settings.config.checksum).size * sum(pages_by_rank)
+    # Roles of page kinds a replica check split are written per rank already: each
+    # rank's copy counts once (a run that split only after its first saves overstates
+    # the baselines by those saves' shared pages, a small share).
+    split = {k for r in ranks for k in r["stats"].get("per_rank", [])}
+    per_rank_roles = {
+        name for plan in plan_pages(layout) if plan.label in split for name, _ in plan.role_bytes
+    }
     naive = 0
     rank0_scheme = 0
     for role in roles:
         spec = preset.role(role)
         written = sum(role_bytes[role])
+        if role in per_rank_roles:
+            naive += written
+            rank0_scheme += written // tp if spec.reference_once else written
+            continue
         naive += written * spec.dup(tp)
         rank0_scheme += written * (1 if spec.reference_once else spec.dup(tp))
     mean = payload / tp if tp else 0.0
@@ -169,6 +181,16 @@ def build_report(
         "pages_corrupt": sum(int(_event(r["stats"], "corrupt").get("pages", 0)) for r in ranks),
         "pages_repaired": sum(int(_event(r["stats"], "repaired").get("pages", 0)) for r in ranks),
         "pages_verified": sum(int(r["verified"]) for r in ranks),
+        # replica checks over the group: shared pages (block, kind, shard) compared across
+        # the ranks holding them; every rank judges the same table, so rank 0 speaks for all
+        "mismatch_injected": None
+        if settings.mismatch is None
+        else f"{settings.mismatch[0]}:{settings.mismatch[1]}",
+        "verify_replicas_every": settings.config.verify_replicas_every,
+        "replicas_verified": int(ranks[0]["stats"].get("replicas_verified", 0)) if ranks else 0,
+        "replica_mismatch": int(ranks[0]["stats"].get("replica_mismatch", 0)) if ranks else 0,
+        # page kinds every rank keys per rank at the end (the same on every rank)
+        "per_rank_kinds": sorted(split),
         "errors": sum(int(r["errors"]) for r in ranks),
         "error_examples": examples,
         "backend_errors": int(coordinator["backend_errors"])
@@ -214,6 +236,16 @@ def format_report(report: Mapping[str, Any]) -> str:
         )
     add(f"  pages verified        {report['pages_verified']:>12,}")
     add(f"  errors                {report['errors']:>12,}")
+    if report["replicas_verified"] or report["replica_mismatch"] or report["mismatch_injected"]:
+        injected = report["mismatch_injected"]
+        add(
+            f"  replica checks        {report['replicas_verified']:>12,}   shared pages equal "
+            f"on every holder, {report['replica_mismatch']:,} different (the first save, then "
+            f"1 block in {report['verify_replicas_every']:,})"
+            + (f"; injected mismatch {injected}" if injected else "")
+        )
+    if report["per_rank_kinds"]:
+        add(f"  keyed per rank        {', '.join(report['per_rank_kinds']):>12}")
     add("")
     roles = list(report["bytes_written_by_role"])
     header = f"  {'rank':>5} {'pages':>9} {'bytes':>12}" + "".join(f" {r:>12}" for r in roles)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
@@ -26,11 +26,10 @@ from typing import Any, TextIO
 
 from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
-from kvconn.connector import Connector
 from kvconn.errors import BackendError, ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.keys import key_prefix
-from kvconn.plan import lookup_keys
+from kvconn.lookup import Lookup
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
 from kvconn.tools.inspect_store import footprint
@@ -61,6 +60,9 @@ class SimSettings:
     salt: str = ""
     #: Ranks form a gloo group and read each shared page once per group (TP > 1).
     stripe: bool = True
+    #: ``(role, rank)``: that rank computes the role differently from the ranks it
+    #: should share it with (a fault for replica checks to find), or None.
+    mismatch: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -87,6 +89,18 @@ class SimSettings:
             raise ConfigError(f"--salt must be a string, got {self.salt!r}")
         if not isinstance(self.stripe, bool):
             raise ConfigError(f"stripe must be a bool, got {self.stripe!r}")
+        if self.mismatch is not None:
+            role, rank = self.mismatch
+            names = [r.name for r in self.preset.roles]
+            if role not in names:
+                raise ConfigError(
+                    f"--inject-mismatch: {self.preset.name} has no role {role!r}; "
+                    f"its roles: {', '.join(names)}"
+                )
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+                raise ConfigError(
+                    f"--inject-mismatch: rank {rank!r} is not a rank of TP={self.tp_size}"
+                )
 
 
 #: Largest TP group simulated: beyond real deployments (NVL72 is 72 GPUs), and each rank
@@ -234,7 +248,8 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     # the user's to write (a Redis ACL user may be confined to other keys).
     prefix = key_prefix(config.namespace, config.model)
     backend = timed(load_backend(config.backend, config.options, key_prefix=prefix))
-    coordinator = Connector(config, layout, rank=0, backend=backend)
+    # The scheduler's lookup: it follows per-rank markers, as an engine's does.
+    coordinator = Lookup(config, layout, backend=backend)
     try:
         if settings.evict_rate > 0 and not backend.capabilities.delete:
             raise ConfigError(
@@ -251,8 +266,14 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
                 settings.layers,
                 num_slots,
                 tpb,
-                settings.config,
+                # a group of the ranks: striped loads (and replica checks over it)
+                replace(settings.config, stripe_reads=True) if striped else settings.config,
                 rendezvous=os.path.join(workdir, "group") if striped else None,
+                diverged=frozenset(
+                    [settings.mismatch[0]]
+                    if settings.mismatch is not None and settings.mismatch[1] == rank
+                    else []
+                ),
             )
             for rank in range(settings.tp_size)
         ]
@@ -270,7 +291,7 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
         finally:
             group.stop()
             shutil.rmtree(workdir, ignore_errors=True)
-        held = store_holding(backend, coordinator.prefix)
+        held = store_holding(backend, coordinator.keys.prefix)
     finally:
         coordinator.close()
     return build_report(
@@ -310,7 +331,7 @@ def store_holding(backend: Backend, prefix: str) -> StoreHolding | None:
 def _replay(
     settings: SimSettings,
     requests: Sequence[Request],
-    coordinator: Connector,
+    coordinator: Lookup,
     backend: TimedBackend,
     group: _Group,
     num_slots: int,
@@ -354,7 +375,7 @@ def _replay(
             hit = found.blocks
             if hit and settings.evict_rate and rng.random() < settings.evict_rate:
                 victim = rng.randrange(hit)
-                keys = lookup_keys(coordinator.prefix, coordinator.plans, [hashes[victim]])[0]
+                keys = coordinator.keys.block_keys(hashes[victim])
                 backend.delete([rng.choice(keys)])  # as an eviction between lookup and load
                 out["evictions"] += 1
             slots = rng.sample(range(num_slots), len(hashes))

@@ -40,9 +40,15 @@ def slice_label(layout: KvLayout, rank: int, role: str) -> str:
 
 
 class Synth:
-    """Computes one rank's region bytes for batches of blocks."""
+    """Computes one rank's region bytes for batches of blocks.
 
-    def __init__(self, layout: KvLayout, rank: int, model: str) -> None:
+    ``diverged``: roles this rank computes differently from the other ranks holding the
+    same slice (``kvconn simulate --inject-mismatch``): the fault replica checks catch.
+    """
+
+    def __init__(
+        self, layout: KvLayout, rank: int, model: str, diverged: frozenset[str] = frozenset()
+    ) -> None:
         self.layout = layout
         self.rank = rank
         sizes = [r.size for g in layout.groups for r in g.regions]
@@ -53,6 +59,8 @@ class Synth:
         for group in layout.groups:
             for region in group.regions:
                 label = slice_label(layout, rank, region.role)
+                if region.role in diverged:
+                    label += f"|diverged on rank {rank}"
                 tag = f"{model}|{region.layer}|{region.role}|{label}".encode()
                 self._tags[(region.layer, region.role)] = tag
 

@@ -62,6 +62,8 @@ class RankSpec:
     #: The file through which the ranks form a gloo group for striped loads (None: every
     #: rank reads every page it loads itself).
     rendezvous: str | None = None
+    #: Roles this rank computes differently from its replicas (an injected mismatch).
+    diverged: frozenset[str] = frozenset()
 
     def layout(self) -> KvLayout:
         return self.preset.layout(self.tp_size, self.layers, self.num_slots, self.tokens_per_block)
@@ -82,7 +84,7 @@ class RankWorker:
             backend=self.backend,
             group=self.group,
         )
-        self.synth = Synth(self.layout, spec.rank, spec.config.model)
+        self.synth = Synth(self.layout, spec.rank, spec.config.model, spec.diverged)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         for group in self.layout.groups:
             for r in group.regions:
