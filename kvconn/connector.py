@@ -235,7 +235,7 @@ class Connector:
         self.device = pools[0].device
         self.pools = list(pools)
         self._movers = [
-            PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
+            PageMover(share.regions, flats, self.layout.group(share.plan.group).num_slots)
             for share in self.shares
         ]
         # CUDA pools need pinned staging; nothing is allocated until the first transfer

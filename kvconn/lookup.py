@@ -67,7 +67,7 @@ class PageKeys:
         self.config = config
         self.layout = layout
         self.prefix = key_prefix(config.namespace, config.model)
-        self.plans: tuple[PagePlan, ...] = plan_pages(layout, config.checksum)
+        self.plans: tuple[PagePlan, ...] = plan_pages(layout, config.checksum, config.shard_heads)
         #: One layout manifest per page kind (two plans never share a group and
         #: fingerprint: the fingerprint hashes the class), key -> JSON value.
         self.manifests: dict[str, bytes] = {
