@@ -214,7 +214,7 @@ class Region:
                 "bytes of a slot hold which heads); the engine adapter must describe it "
                 "(Region.unit_layout)"
             )
-        if not 0 <= index < parts or units.units % parts:
+        if parts < 1 or not 0 <= index < parts or units.units % parts:
             raise LayoutError(
                 f"{where}: its {units.units} units cannot be cut into {parts} equal parts "
                 f"(part {index} asked)"
