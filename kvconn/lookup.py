@@ -86,12 +86,14 @@ class PageKeys:
         return lookup_keys(self.prefix, self.plans, check_hashes(block_hashes))
 
     def shares(self, rank: int) -> tuple[RankShare, ...]:
-        """Per page kind, the shard ``rank`` loads and its replica position for writing."""
+        """Per page ``rank`` holds of a block (one per page kind, or ``shard_heads /
+        num_shards`` of a kind cut finer than its shard), the shard it loads and its
+        replica position for writing."""
         shard_position(rank, self.layout.tp_size, 1)  # validates rank against tp_size
         return rank_shares(self.layout, self.plans, rank)
 
     def rank_keys(self, rank: int, block_hash: bytes) -> list[str]:
-        """Keys of the pages ``rank`` loads for this block, page kinds in plan order."""
+        """Keys of the pages ``rank`` loads for this block, in :meth:`shares` order."""
         digest = _digest(block_hash)
         return [share_key(self.prefix, share, digest) for share in self.shares(rank)]
 
