@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "NO_SLOT": "kvconn.layout",
     "Region": "kvconn.layout",
     "Role": "kvconn.layout",
+    "UnitLayout": "kvconn.layout",
     "shard_position": "kvconn.layout",
     "WriterPolicy": "kvconn.plan",
     "installed_backends": "kvconn.registry",
@@ -98,6 +99,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.layout import LayerGroup as LayerGroup
     from kvconn.layout import Region as Region
     from kvconn.layout import Role as Role
+    from kvconn.layout import UnitLayout as UnitLayout
     from kvconn.layout import shard_position as shard_position
     from kvconn.lookup import DeadlineLookup as DeadlineLookup
     from kvconn.lookup import Lookup as Lookup

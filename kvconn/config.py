@@ -43,6 +43,8 @@ ENV_TOOL_VARIABLES = frozenset({"KVCONN_SKIP_ENGINES"})
 MAX_STAGING_BYTES = 1 << 40  # 1 TiB of host staging
 MAX_RETRY_INTERVAL_S = 86_400.0  # a day
 MAX_WAIT_S = 3_600.0  # an hour: no scheduler waits that long on a cache
+#: More KV heads than any model has: a larger ``shard_heads`` is a typo.
+MAX_SHARD_HEADS = 1 << 16
 #: Settings read from text (the environment) as TOML literals: numbers, sizes.
 _NUMERIC = (
     "staging_bytes",
@@ -53,6 +55,7 @@ _NUMERIC = (
     "load_timeout_s",
     "stripe_reads",
     "verify_replicas_every",
+    "shard_heads",
 )
 #: The sparsest sampling of replica checks (``verify_replicas_every``) a config may ask.
 MAX_VERIFY_EVERY = 1 << 32
@@ -101,6 +104,11 @@ class ConnectorConfig:
     #: kind whose ranks disagree is then keyed per rank (kvconn.replicas). Every rank of
     #: a group must use the same value.
     verify_replicas_every: int = 1000
+    #: Cut head-sharded pages at this many shards of the heads (``w<G>r<j>``) whatever
+    #: the TP size, so deployments at different TP sizes share pages: ``G`` a multiple
+    #: of every TP size that shares, dividing every sharded role's units. ``None`` (the
+    #: default): each TP size cuts its own shards (``w<min(tp, units)>r<i>``).
+    shard_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
@@ -120,8 +128,10 @@ class ConnectorConfig:
         if not isinstance(self.stripe_reads, bool):
             raise ConfigError(f"stripe_reads must be true or false, got {self.stripe_reads!r}")
         every = self.verify_replicas_every
-        if isinstance(every, bool) or not isinstance(every, int) or not 0 <= every <= (
-            MAX_VERIFY_EVERY
+        if (
+            isinstance(every, bool)
+            or not isinstance(every, int)
+            or not 0 <= every <= (MAX_VERIFY_EVERY)
         ):
             raise ConfigError(
                 f"verify_replicas_every must be an int between 0 (never) and "
@@ -134,6 +144,16 @@ class ConnectorConfig:
             ("load_timeout_s", 0.001, MAX_RETRY_INTERVAL_S),
         ):
             _seconds(getattr(self, name), name, low, high)
+        heads = self.shard_heads
+        if heads is not None and (
+            isinstance(heads, bool)
+            or not isinstance(heads, int)
+            or not 1 <= heads <= MAX_SHARD_HEADS
+        ):
+            raise ConfigError(
+                f"shard_heads must be a number of head shards between 1 and {MAX_SHARD_HEADS} "
+                f"(a multiple of every TP size that shares pages), or unset; got {heads!r}"
+            )
 
     def __repr__(self) -> str:
         # Options carry credentials (a Redis password, a URL with one): a repr ends up in

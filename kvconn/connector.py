@@ -85,7 +85,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class _Page:
     """One page a rank owns in a save: its page kind (share index), block and key."""
@@ -253,8 +252,15 @@ class Connector:
         policy = self.config.writer_policy
         if writer_policy is not None:
             policy = WriterPolicy.parse(writer_policy)
+        # Movers are per page this rank holds; a check copies per page kind. A shared
+        # kind is never cut finer than its shard (shard_heads), so it has one page.
+        movers = self._require_pools()
+        first: dict[int, int] = {}
+        for s, share in enumerate(self.shares):
+            first.setdefault(id(share.plan), s)
+        by_kind = [movers[first[id(plan)]] for plan in self.keys.plans]
         return self._replicas.probes(
-            hashes, slots, self._require_pools(), self.device, policy, self.keys.per_rank
+            hashes, slots, by_kind, self.device, policy, self.keys.per_rank
         )
 
     def check_replicas(self, probe: Probe) -> None:
@@ -303,7 +309,7 @@ class Connector:
         self.device = pools[0].device
         self.pools = list(pools)
         self._movers = [
-            PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
+            PageMover(share.regions, flats, self.layout.group(share.plan.group).num_slots)
             for share in self.shares
         ]
         # CUDA pools need pinned staging; nothing is allocated until the first transfer
@@ -829,9 +835,7 @@ class Connector:
         self._repair.settle(verdict)
         return good
 
-    def _count_read(
-        self, statuses: Sequence[ReadStatus], wanted: Sequence[Sequence[int]]
-    ) -> None:
+    def _count_read(self, statuses: Sequence[ReadStatus], wanted: Sequence[Sequence[int]]) -> None:
         """Count the pages this rank read from the store (``store_read``)."""
         pos = 0
         for share, blocks in zip(self.shares, wanted):

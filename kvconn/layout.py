@@ -11,6 +11,7 @@ rank's pages, which the group-wide hit rule needs.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -121,11 +122,42 @@ def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = Fa
 
 
 @dataclass(frozen=True)
+class UnitLayout:
+    """How one slot of a region splits by the role's units (KV heads): its ``size`` bytes
+    are ``[outer][units][inner]``.
+
+    ``units`` is how many of the role's units this rank's region holds; ``inner`` the
+    contiguous bytes of one unit at one ``outer`` index. vLLM's CPU cache, a slot
+    ``[heads, block_size, 2 * head_dim]``, is ``outer = 1`` (each head's bytes are
+    contiguous); a token-major slot ``[block_size, heads, head_dim]`` is ``outer =
+    block_size``. Pages cut at a finer head granularity than the rank's own
+    (``shard_heads``) need it: it is what says which bytes of a slot belong to which
+    heads. The bytes of a subset of the units are, canonically, ``[outer][subset][inner]``.
+    """
+
+    units: int
+    inner: int
+    outer: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("units", "inner", "outer"):
+            _positive_int(getattr(self, name), name, "unit layout")
+
+    @property
+    def size(self) -> int:
+        """Bytes of one slot the layout describes."""
+        return self.outer * self.units * self.inner
+
+
+@dataclass(frozen=True)
 class Region:
     """A strided byte range of a pool: slot ``i`` is ``base + i*stride`` for ``size`` bytes.
 
     ``base`` is a byte offset from the start of pool number ``pool``, not an absolute
     address, so descriptions survive re-allocation and can be compared across ranks.
+
+    ``unit_layout`` (optional) says how a slot's bytes split by the role's units; only
+    pages cut finer than the rank's own shard (``shard_heads``) need it.
     """
 
     role: str
@@ -135,6 +167,7 @@ class Region:
     stride: int
     num_slots: int
     pool: int = 0
+    unit_layout: UnitLayout | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str):
@@ -151,6 +184,58 @@ class Region:
                 f"{where}: stride {self.stride} is smaller than size {self.size}, "
                 "so consecutive slots of the region overlap"
             )
+        units = self.unit_layout
+        if units is not None:
+            if not isinstance(units, UnitLayout):
+                raise LayoutError(f"{where}: unit_layout must be a UnitLayout, got {units!r:.80}")
+            if units.size != self.size:
+                raise LayoutError(
+                    f"{where}: its unit layout [outer {units.outer}][units {units.units}]"
+                    f"[inner {units.inner}] is {units.size} bytes, the region's slot {self.size}"
+                )
+
+    def part(self, parts: int, index: int) -> tuple[Region, ...]:
+        """The regions holding the ``index``-th of ``parts`` equal runs of this region's
+        units, in the canonical order ``[outer][units of the part][inner]``.
+
+        One region when each unit's bytes are contiguous (``outer == 1``), else one per
+        outer index (:func:`kvconn.movement.compile_runs` folds them into one run). So
+        the part of a region holding several heads is byte for byte the region of a rank
+        that holds only those heads: pages cut at a head granularity finer than the
+        rank's own are the same pages whichever TP size cut them.
+        """
+        if parts == 1 and index == 0:
+            return (self,)
+        where = self.label
+        units = self.unit_layout
+        if units is None:
+            raise LayoutError(
+                f"{where}: splitting it into {parts} pages needs its unit layout (which "
+                "bytes of a slot hold which heads); the engine adapter must describe it "
+                "(Region.unit_layout)"
+            )
+        if parts < 1 or not 0 <= index < parts or units.units % parts:
+            raise LayoutError(
+                f"{where}: its {units.units} units cannot be cut into {parts} equal parts "
+                f"(part {index} asked)"
+            )
+        per_part = units.units // parts
+        size = per_part * units.inner
+        first = self.base + index * size
+        piece = UnitLayout(per_part, units.inner)
+        return tuple(
+            Region(
+                self.role,
+                self.layer,
+                first + o * units.units * units.inner,
+                size,
+                self.stride,
+                self.num_slots,
+                self.pool,
+                piece,
+            )
+            for o in range(units.outer)
+        )
 
     @property
     def label(self) -> str:
@@ -163,12 +248,21 @@ class Region:
 
     @classmethod
     def from_tensor(
-        cls, role: str, layer: int, view: torch.Tensor, pool: torch.Tensor, pool_index: int = 0
+        cls,
+        role: str,
+        layer: int,
+        view: torch.Tensor,
+        pool: torch.Tensor,
+        pool_index: int = 0,
+        unit_dim: int | None = None,
     ) -> Region:
         """Describe ``view`` (slots along dim 0) as a region of ``pool``.
 
         Each slot's bytes must be contiguous; that is what makes a page a plain byte
-        concatenation that any backend can store.
+        concatenation that any backend can store. ``unit_dim`` names the dimension of
+        ``view`` that indexes the role's units (KV heads), from which the region's
+        :class:`UnitLayout` follows: e.g. ``1`` for ``[slots, heads, block_size, dim]``,
+        ``2`` for ``[slots, block_size, heads, dim]``.
         """
         where = f"region {role}@layer{layer}"
         for name, tensor in (("view", view), ("pool", pool)):
@@ -193,6 +287,21 @@ class Region:
         if offset < 0 or offset >= pool_bytes:
             raise LayoutError(f"{where}: the tensor does not lie inside pool {pool_index}")
         size = view[0].numel() * elsize
+        units = None
+        if unit_dim is not None:
+            if isinstance(unit_dim, bool) or not isinstance(unit_dim, int):
+                raise LayoutError(f"{where}: unit_dim must be a dimension index, got {unit_dim!r}")
+            if not 1 <= unit_dim < view.dim():
+                raise LayoutError(
+                    f"{where}: unit_dim {unit_dim} is not a dimension after the slot "
+                    f"dimension of a tensor of shape {tuple(view.shape)}"
+                )
+            shape = tuple(view.shape)
+            units = UnitLayout(
+                units=shape[unit_dim],
+                inner=math.prod(shape[unit_dim + 1 :]) * elsize,
+                outer=math.prod(shape[1:unit_dim]),
+            )
         return cls(
             role=role,
             layer=layer,
@@ -201,6 +310,7 @@ class Region:
             stride=view.stride(0) * elsize,
             num_slots=view.shape[0],
             pool=pool_index,
+            unit_layout=units,
         )
 
 
@@ -315,6 +425,16 @@ class KvLayout:
                         f"{group.label}, {region.label}: pool {region.pool} does not exist "
                         f"(the layout declares {len(self.pool_sizes)} pools)"
                     )
+                units = region.unit_layout
+                if units is not None:
+                    role = by_name[region.role]
+                    local = role.units // shard_position(0, self.tp_size, role.units).num_shards
+                    if units.units != local:
+                        raise LayoutError(
+                            f"{group.label}, {region.label}: its unit layout holds "
+                            f"{units.units} units, but role {role.name!r} ({role.units} "
+                            f"units at TP={self.tp_size}) puts {local} on each rank"
+                        )
                 if region.end > self.pool_sizes[region.pool]:
                     raise LayoutError(
                         f"{group.label}, {region.label}: slots out of bounds: its last slot "
@@ -344,7 +464,7 @@ class KvLayout:
                     "num_slots": g.num_slots,
                     "name": g.name,
                     "window": g.window,
-                    "regions": [_record(r) for r in g.regions],
+                    "regions": [_region_record(r) for r in g.regions],
                 }
                 for g in self.groups
             ],
@@ -372,7 +492,7 @@ class KvLayout:
         for i, raw in enumerate(_list_of(doc["groups"], "layout.groups")):
             g = _fields_of(raw, f"layout.groups[{i}]", _GROUP_FIELDS)
             regions = tuple(
-                Region(**_fields_of(r, f"layout.groups[{i}].regions[{j}]", _REGION_FIELDS))
+                _region_from(r, f"layout.groups[{i}].regions[{j}]")
                 for j, r in enumerate(_list_of(g["regions"], f"layout.groups[{i}].regions"))
             )
             if not isinstance(g["name"], str):
@@ -394,16 +514,33 @@ class KvLayout:
 
 
 #: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other. Version 2
-#: added each group's ``window``.
-LAYOUT_DICT_VERSION = 2
+#: added each group's ``window``, version 3 each region's ``unit_layout``.
+LAYOUT_DICT_VERSION = 3
 _ROLE_FIELDS = ("name", "units", "dtype")
-_REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool")
+_REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool", "unit_layout")
+_UNIT_FIELDS = ("units", "inner", "outer")
 _GROUP_FIELDS = ("index", "num_slots", "name", "window", "regions")
 _LAYOUT_FIELDS = ("version", "tp_size", "tokens_per_block", "roles", "groups", "pool_sizes")
 
 
-def _record(item: Role | Region) -> dict[str, Any]:
+def _record(item: Role | Region | UnitLayout) -> dict[str, Any]:
     return {f.name: getattr(item, f.name) for f in fields(item)}
+
+
+def _region_record(region: Region) -> dict[str, Any]:
+    record = _record(region)
+    if region.unit_layout is not None:
+        record["unit_layout"] = _record(region.unit_layout)
+    return record
+
+
+def _region_from(data: object, where: str) -> Region:
+    doc = _fields_of(data, where, _REGION_FIELDS)
+    if doc["unit_layout"] is not None:
+        doc["unit_layout"] = UnitLayout(
+            **_fields_of(doc["unit_layout"], f"{where}.unit_layout", _UNIT_FIELDS)
+        )
+    return Region(**doc)
 
 
 def _fields_of(data: object, where: str, names: Sequence[str]) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class PageKeys:
         self.layout = layout
         self.prefix = key_prefix(config.namespace, config.model)
         #: The page kinds as planned, shared pages under shared keys.
-        self.planned: tuple[PagePlan, ...] = plan_pages(layout, config.checksum)
+        self.planned: tuple[PagePlan, ...] = plan_pages(layout, config.checksum, config.shard_heads)
         #: The kinds several ranks hold (``dup > 1``): what replica checks compare.
         self.shared: tuple[SharedKind, ...] = shared_kinds(layout.tp_size, self.planned)
         #: Each shared kind's marker key (:func:`kvconn.keys.per_rank_key`), by index.
@@ -120,15 +120,20 @@ class PageKeys:
         return lookup_keys(self.prefix, self.plans, check_hashes(block_hashes))
 
     def shares(self, rank: int) -> tuple[RankShare, ...]:
-        """Per page kind, the shard ``rank`` loads and its replica position for writing."""
+        """Per page ``rank`` holds of a block (one per page kind, or ``shard_heads /
+        num_shards`` of a kind cut finer than its shard), the shard it loads and its
+        replica position for writing."""
         shard_position(rank, self.layout.tp_size, 1)  # validates rank against tp_size
-        shares = list(rank_shares(self.layout, self.planned, rank))
-        for i in self.per_rank:
-            shares[i] = per_rank_share(self.plans[i], rank)
+        shares: list[RankShare] = []
+        for i, plan in enumerate(self.plans):
+            if i in self.per_rank:
+                shares.append(per_rank_share(plan, rank))
+            else:  # ``parts`` pages of a kind cut finer than the rank's shard
+                shares.extend(rank_shares(self.layout, (plan,), rank))
         return tuple(shares)
 
     def rank_keys(self, rank: int, block_hash: bytes) -> list[str]:
-        """Keys of the pages ``rank`` loads for this block, page kinds in plan order."""
+        """Keys of the pages ``rank`` loads for this block, in :meth:`shares` order."""
         digest = _digest(block_hash)
         return [share_key(self.prefix, share, digest) for share in self.shares(rank)]
 

@@ -66,7 +66,7 @@ class StripedRows:
 
     def peers(self) -> list[tuple[int, Segment]]:
         """``(group rank, segment)`` of every other replica of this rank's shard."""
-        base = self.share.shard_index * self.share.dup
+        base = self.share.rank_shard * self.share.dup
         me = self.share.replica_index
         return [(base + s.replica, s) for s in self.segments if s.replica != me]
 

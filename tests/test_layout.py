@@ -264,7 +264,7 @@ def test_a_layout_round_trips_through_json_exactly():
     [
         (lambda d: d.pop("tp_size"), r"layout: missing field\(s\) \['tp_size'\]"),
         (lambda d: d.update(pools=[1]), r"unknown field\(s\) \['pools'\]"),
-        (lambda d: d.update(version=1), "version 1 is not 2"),
+        (lambda d: d.update(version=2), "version 2 is not 3"),
         (lambda d: d["groups"][0].pop("window"), r"groups\[0\]: missing field\(s\) \['window'\]"),
         (lambda d: d["groups"][1].update(window=0), r"window \(blocks, or None\) must be > 0"),
         (lambda d: d.update(groups={}), "layout.groups: must be a list"),

@@ -16,6 +16,7 @@ from typing import Any
 
 import lmdb
 import pytest
+import torch
 
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
@@ -167,6 +168,51 @@ def test_a_rerun_that_adds_nothing_reports_what_the_store_holds_for_the_model(ca
     table = format_report(second)
     assert "  stored by this run             0 B   (pages 0 B" in table
     assert f"{second['pages_in_store']:,} pages under kvconn/minimax-m3/" in table
+
+
+# ---------------------------------------------------------------- across TP sizes
+def test_with_shard_heads_a_tp4_run_loads_and_verifies_what_a_tp8_run_stored(capsys, tmp_path):
+    """8 KV heads written at TP=8 and read at TP=4: with shard_heads = 8 each TP=4 rank
+    loads two head shards per block and has nothing left to store; without it, a clean
+    miss (the TP=4 run hits only what it stores itself)."""
+    store = tmp_path / "store"
+    llama = ("--model", "llama-3.1-70b")
+    _, written = simulate(capsys, store, *llama, "--tp", "8", "--shard-heads", "8")
+    code, read = simulate(capsys, store, *llama, "--tp", "4", "--shard-heads", "8")
+    assert code == 0 and read["errors"] == 0 and read["shard_heads"] == 8
+    assert read["hit_tokens"] > written["hit_tokens"]
+    assert read["pages_verified"] == read["pages_loaded"] > 0
+    assert read["bytes_stored"] == 0  # every page it would write was stored at TP=8
+    assert "K/V pages cut at 8 head shards" in format_report(read)
+    _, alone = simulate(capsys, store, *llama, "--tp", "4")
+    assert alone["hit_tokens"] == written["hit_tokens"]  # the workload's own reuse only
+    assert alone["payload_bytes_stored"] == written["payload_bytes_stored"]
+
+
+def test_with_shard_heads_a_tp8_run_loads_and_verifies_what_a_tp4_run_stored(capsys, tmp_path):
+    store = tmp_path / "store"
+    _, written = simulate(capsys, store, "--tp", "4", "--shard-heads", "8")
+    code, read = simulate(capsys, store, "--tp", "8", "--shard-heads", "8")
+    assert code == 0 and read["errors"] == 0
+    assert read["hit_tokens"] > written["hit_tokens"] and read["bytes_stored"] == 0
+    assert read["pages_verified"] == read["pages_loaded"] > 0
+    # MiniMax-M3's index-K is replicated: read once per TP=8 group, as at any TP
+    assert read["bytes_read"] == read["bytes_read_unstriped"] * (512 + 256 / 8) // 768
+
+
+def test_synthetic_head_shards_agree_across_tp_sizes():
+    """A TP=4 rank's bytes of a region are TP=8 ranks 2j's and 2j+1's, one after the
+    other, when pages are cut at 8 head shards: the bytes real ranks would hold."""
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    at8 = minimax_m3(tp_size=8, layers=1)
+    at4 = minimax_m3(tp_size=4, layers=1)
+    for r8, r4 in zip(at8.groups[0].regions, at4.groups[0].regions):
+        halves = [Synth(at8, rank, "m", 8).region_bytes(hashes, r8) for rank in (2, 3)]
+        whole = Synth(at4, 1, "m", 8).region_bytes(hashes, r4)
+        if r4.role == "index_k":
+            assert torch.equal(whole, halves[0])
+        else:
+            assert torch.equal(whole, torch.cat(halves, dim=1))
 
 
 # ---------------------------------------------------------------- striped reads
@@ -357,9 +403,7 @@ def test_an_injected_index_k_mismatch_is_found_at_the_first_save_and_no_load_dif
     assert again["per_rank_kinds"] == ["lg0/replicated"] and again["replica_mismatch"] == 0
 
 
-def test_without_a_mismatch_the_first_save_verifies_and_nothing_is_keyed_per_rank(
-    capsys, tmp_path
-):
+def test_without_a_mismatch_the_first_save_verifies_and_nothing_is_keyed_per_rank(capsys, tmp_path):
     code, report = simulate(capsys, tmp_path / "store", "--tp", "4")
     assert code == 0 and report["errors"] == 0
     assert report["replicas_verified"] > 0 and report["replica_mismatch"] == 0
@@ -383,6 +427,8 @@ def test_without_a_mismatch_the_first_save_verifies_and_nothing_is_keyed_per_ran
         (["--option", "mapsize=1"], "unknown option(s): mapsize; known: map_size, max_map_size"),
         (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
         (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
+        (["--shard-heads", "4"], "shard_heads=4 is not a multiple of TP=8's 8 shards of role"),
+        (["--shard-heads", "0"], "shard_heads must be a number of head shards between 1"),
         # absurd sizes (issue 11): refused before any rank process starts
         (["--tp", "100000"], "--tp must be an int between 1 and 128, got 100000"),
         (["--tokens-per-block", "100000"], "--tokens-per-block must be an int between 1 and"),

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvconn.config import load_toml, unknown_names
 from kvconn.errors import ConfigError, LayoutError
-from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
+from kvconn.layout import KvLayout, LayerGroup, Region, Role, UnitLayout, shard_position
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,9 @@ class Preset:
         block for every layer, layer after layer; inside a layer the pool's roles follow
         each other in declared order. Regions are declared pool by pool, then layer by
         layer, so that the page mover can fold a role's layers into one strided run.
+        Inside a region, a sharded role's heads follow each other, each head's tokens
+        contiguous (TensorRT-LLM's ``[heads, tokens, head bytes]``): its unit layout,
+        which pages cut at ``shard_heads`` need.
         """
         n_layers = self.resolve_layers(layers)
         for what, value in (("tokens_per_block", tokens_per_block), ("num_slots", num_slots)):
@@ -248,7 +251,13 @@ class Preset:
                 offset = layer * per_layer
                 for role in members:
                     size = per_token[role.name] * tokens_per_block
-                    regions.append(Region(role.name, layer, offset, size, stride, num_slots, pool))
+                    units = None
+                    if not role.replicated:
+                        inner = role.bytes_per_unit * tokens_per_block
+                        units = UnitLayout(size // inner, inner)
+                    regions.append(
+                        Region(role.name, layer, offset, size, stride, num_slots, pool, units)
+                    )
                     offset += size
             pool_sizes.append(stride * num_slots)
         return KvLayout(

@@ -211,6 +211,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             block_size=self._block_size,
             tp_size=self._tp_size,
             dtype_tags={name: dtype_tag(vllm_config, name, t) for name, t in kv_caches.items()},
+            shard_heads=self._config.shard_heads,
         )
         self._layout = layout
         self._conn = Connector(

@@ -32,6 +32,16 @@ role's dtype names the element type, the backend and the block's shape: two back
 that lay a block out differently never share pages. Layers whose tensor is the same
 memory as an earlier layer's of the same group (vLLM's KV sharing) add no region: their
 bytes are that layer's.
+
+Pages shared across TP sizes (kvconn's ``shard_heads``): vLLM 0.32 hands every
+attention layer's cache as its logical ``[blocks, heads, block_size, content]``
+(``[B, H, N, C]``), and the CPU backend lays it out in that order (``LBHNC``), so each
+head's bytes of a block are contiguous. A blocks-first ``kv`` region then carries its
+unit layout (one unit per local head, ``outer = 1``), which lets kvconn cut it into head
+shards; and with ``shard_heads`` set the dtype names the block shape with all the
+model's heads instead of this rank's, so every TP size names the pages alike. K/V-first
+tensors (an older form, whose head dimension is not placed the same way) carry none:
+pages cut finer than a rank's own heads are then refused with a clear error.
 """
 
 from __future__ import annotations
@@ -98,11 +108,13 @@ def kv_layout(
     block_size: int,
     tp_size: int,
     dtype_tags: Mapping[str, str],
+    shard_heads: int | None = None,
 ) -> tuple[KvLayout, list[torch.Tensor]]:
     """The layout of one rank's KV caches, and the pool tensors it refers to.
 
     ``dtype_tags`` says, per layer, what an element is and who arranged the block (e.g.
-    ``bfloat16+CPU_ATTN``); the block's shape is appended to it in each role's dtype.
+    ``bfloat16+CPU_ATTN``); the block's shape is appended to it in each role's dtype:
+    this rank's, or with ``shard_heads`` (kvconn's setting) the model's, all its heads.
     """
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
@@ -127,8 +139,12 @@ def kv_layout(
                 continue  # KV sharing: this layer reads another layer's cache
             seen.add(ident)
             views = _views(name, tensor, num_blocks, what.role)
+            by_head = _heads_dim(tensor, num_blocks, what, tp_size)
             for role, view in views:
-                shape = "x".join(str(d) for d in view.shape[1:])
+                dims = list(view.shape[1:])
+                if by_head and shard_heads is not None:
+                    dims[0] = what.units  # every TP size names the block alike
+                shape = "x".join(str(d) for d in dims)
                 dtype = f"{dtype_tags[name]}+{shape}"
                 known = roles.setdefault(role, (what.units, dtype))
                 if known != (what.units, dtype):
@@ -143,8 +159,10 @@ def kv_layout(
                 pools.append(storage_pool(tensor))
             pool = pool_of[(group.index, address)]
             layer = layer_index(name, position[name])
+            unit_dim = 1 if by_head else None
             regions.extend(
-                Region.from_tensor(role, layer, view, pools[pool], pool) for role, view in views
+                Region.from_tensor(role, layer, view, pools[pool], pool, unit_dim)
+                for role, view in views
             )
         layer_groups.append(
             LayerGroup(group.index, num_blocks, tuple(regions), _group_name(group), group.window)
@@ -157,6 +175,20 @@ def kv_layout(
         pool_sizes=tuple(p.numel() for p in pools),
     )
     return layout, pools
+
+
+def _heads_dim(tensor: torch.Tensor, num_blocks: int, what: LayerBytes, tp_size: int) -> bool:
+    """Whether dim 1 of a blocks-first ``kv`` tensor holds this rank's KV heads.
+
+    vLLM 0.32's logical ``[B, H, N, C]``: a ``kv`` layer with as many entries there as
+    the rank holds heads. Anything else (K/V first, another role, another count) gets
+    no unit layout: its pages are still stored, only not cut finer than the rank's heads.
+    """
+    blocks_first, kv_first = _forms(tensor, num_blocks)
+    if what.role != "kv" or not blocks_first or kv_first or tensor.dim() < 3:
+        return False
+    local = what.units // min(tp_size, what.units)
+    return int(tensor.shape[1]) == local
 
 
 def _group_name(group: CacheGroup) -> str:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 
-def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
-    """A random 2-layer Llama (head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
+def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) -> None:
+    """A random Llama (2 layers, head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,7 +32,7 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=kv_heads,
         head_dim=64,
@@ -127,6 +127,9 @@ def make_tiny_qwen3_next(path: str, seed: int = 0) -> None:
 MODELS: dict[str, Callable[[str], None]] = {
     "llama-1kv": lambda path: make_tiny_llama(path, 1),
     "llama-2kv": lambda path: make_tiny_llama(path, 2),
+    # one layer: its K/V are bit for bit the same at TP=1 and TP=2 (a second layer's
+    # input went through TP=2's all-reduce, summed in another order)
+    "llama-2kv-1layer": lambda path: make_tiny_llama(path, 2, layers=1),
     "deepseek-v2": make_tiny_deepseek_v2,
     "gemma3": make_tiny_gemma3,
     "qwen3-next": make_tiny_qwen3_next,
@@ -152,6 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kvconn["backend"] = args.backend
     if args.stripe:
         kvconn["stripe_reads"] = True
+    if args.shard_heads:
+        kvconn["shard_heads"] = args.shard_heads
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
@@ -278,6 +283,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
+    parser.add_argument("--shard-heads", type=int, default=0, help="kvconn's shard_heads")
     parser.add_argument("--connector", choices=("kvconn", "example", "none"), default="kvconn")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--attention-backend", default=None)

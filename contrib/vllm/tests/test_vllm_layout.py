@@ -16,7 +16,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import LayoutError
 from kvconn.hashing import adopt_hashes
-from kvconn.layout import KvLayout
+from kvconn.layout import KvLayout, UnitLayout
 from kvconn.plan import plan_pages
 from kvconn_vllm.layout import CacheGroup, LayerBytes, kv_layout, layer_index
 
@@ -35,7 +35,13 @@ def one_group(names, role: str = "kv", units: int = HEADS, index: int = 0, windo
     return CacheGroup(index, tuple((n, LayerBytes(role, units)) for n in names), window)
 
 
-def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS, groups=None):
+def describe(
+    caches: dict[str, torch.Tensor],
+    tp: int = 1,
+    heads: int = HEADS,
+    groups=None,
+    shard_heads: int | None = None,
+):
     return kv_layout(
         caches,
         groups or [one_group(caches, units=heads)],
@@ -43,6 +49,7 @@ def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS, g
         block_size=BS,
         tp_size=tp,
         dtype_tags=dict.fromkeys(caches, "float32+CPU_ATTN"),
+        shard_heads=shard_heads,
     )
 
 
@@ -55,6 +62,63 @@ def test_blocks_first_tensors_give_one_kv_region_per_layer_covering_a_whole_bloc
     ]
     assert layout.roles[0].units == HEADS and layout.roles[0].dtype == "float32+CPU_ATTN+2x32x128"
     assert len(pools) == 2 and layout.tokens_per_block == BS and group.num_slots == BLOCKS
+
+
+def test_a_cpu_cache_region_splits_into_one_contiguous_unit_per_local_head():
+    layout, _ = describe(cpu_caches())
+    assert {r.unit_layout for r in layout.groups[0].regions} == {
+        UnitLayout(HEADS, BS * 2 * DIM * 4)
+    }
+    # at TP=2 each rank holds one of the two heads
+    layout, _ = describe(cpu_caches(heads=1), tp=2)
+    assert layout.groups[0].regions[0].unit_layout == UnitLayout(1, BS * 2 * DIM * 4)
+
+
+def test_with_shard_heads_every_tp_size_names_the_block_with_all_the_models_heads():
+    assert (
+        describe(cpu_caches(), tp=1, shard_heads=2)[0].roles[0].dtype
+        == (describe(cpu_caches(heads=1), tp=2, shard_heads=2)[0].roles[0].dtype)
+        == "float32+CPU_ATTN+2x32x128"
+    )
+    # without it, each rank names its own block, as before
+    assert describe(cpu_caches(heads=1), tp=2)[0].roles[0].dtype == "float32+CPU_ATTN+1x32x128"
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2)])
+def test_with_shard_heads_pages_of_one_tp_size_load_at_another_head_by_head(
+    tmp_path, writer_tp, reader_tp
+):
+    """vLLM's TP ranks hold consecutive heads: rank r of TP=2 holds head r, TP=1 both."""
+    config = ConnectorConfig(
+        model="m", backend="lmdb", options={"path": str(tmp_path)}, shard_heads=2
+    )
+    hashes = adopt_hashes("vllm:sha256", [bytes([i]) * 32 for i in range(3)])
+    whole = cpu_caches()  # [blocks, 2 heads, ...]: what TP=1 holds
+    per_rank = {
+        1: [whole],
+        2: [{n: t[:, r : r + 1].clone() for n, t in whole.items()} for r in range(2)],
+    }
+
+    def connectors(tp, caches_of_ranks):
+        for rank, caches in enumerate(caches_of_ranks):
+            layout, pools = describe(caches, tp=tp, shard_heads=2)
+            yield Connector(config, layout, rank=rank, pools=pools)
+
+    for conn in connectors(writer_tp, per_rank[writer_tp]):
+        with conn:
+            assert conn.save(hashes, [4, 1, 2]).ok
+    empty = {
+        tp: [{n: torch.zeros_like(t) for n, t in c.items()} for c in ranks]
+        for tp, ranks in per_rank.items()
+    }
+    for conn in connectors(reader_tp, empty[reader_tp]):
+        with conn:
+            assert conn.lookup(hashes).blocks == 3
+            assert conn.load(hashes, [0, 3, 5]).loaded == 3
+    for got, want in zip(empty[reader_tp], per_rank[reader_tp]):
+        for name, tensor in want.items():
+            for src, dst in ((4, 0), (1, 3), (2, 5)):
+                assert torch.equal(got[name][dst], tensor[src])
 
 
 def test_kv_first_tensors_give_k_and_v_regions():

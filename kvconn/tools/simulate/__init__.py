@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from kvconn.errors import ConfigError
+from kvconn.plan import plan_pages
 from kvconn.tools.models import PRESETS, Preset, get_preset, load_preset
 from kvconn.tools.store_options import add_store_arguments, connector_config
 
@@ -55,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layers keep the run fast)",
     )
     model.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
+    model.add_argument(
+        "--shard-heads",
+        type=int,
+        default=None,
+        metavar="G",
+        help="cut head-sharded pages at G shards of the heads (w<G>r<j>), so runs at "
+        "different --tp (dividing G) share pages: the configuration's shard_heads "
+        "(default: unset, each TP size cuts its own shards)",
+    )
     model.add_argument(
         "--policy",
         choices=("spread", "first"),
@@ -162,6 +172,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     overrides: dict[str, Any] = {"writer_policy": args.policy} if args.policy else {}
     if args.verify_replicas_every is not None:
         overrides["verify_replicas_every"] = args.verify_replicas_every
+    if args.shard_heads is not None:
+        overrides["shard_heads"] = args.shard_heads
     config = connector_config(args, preset.name, overrides)
     workload = WorkloadSpec(
         seed=args.seed,
@@ -189,7 +201,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         stripe=args.stripe,
         mismatch=_mismatch(args.inject_mismatch),
     )
-    preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # fail fast on units
+    layout = preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # units
+    plan_pages(layout, config.checksum, config.shard_heads)  # fail fast on shard_heads
     return settings
 
 

@@ -122,6 +122,8 @@ def build_report(
         "model": preset.name,
         "key_model": settings.config.model,
         "tp": tp,
+        # head-sharded pages cut at this many shards (w<G>r<j>), or None: at TP's own
+        "shard_heads": settings.config.shard_heads,
         "layers": settings.layers,
         "model_layers": preset.layers,
         "tokens_per_block": settings.tokens_per_block,
@@ -218,6 +220,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"layers), TP={report['tp']}, {report['tokens_per_block']} tokens/block, "
         f"policy {report['policy']}, {report['store']}; KV pool "
         f"{human_bytes(report['pool_bytes_per_rank'])} per rank"
+        + (
+            f"; K/V pages cut at {report['shard_heads']} head shards (shard_heads)"
+            if report.get("shard_heads")
+            else ""
+        )
     )
     add("")
     add(f"  requests              {report['requests']:>12,}")
