@@ -14,10 +14,22 @@ still one lookup over every group (a block needs both pages).
 The host layout is part of each role's dtype, hence of every key: ``page_first`` and
 ``page_first_direct`` pages have the same size but another byte order, and a reader in
 one layout must miss pages written in the other, never reinterpret them.
+
+An MHA pool's K and V regions carry their unit layout (which bytes of a page hold which
+KV head, :class:`kvconn.layout.UnitLayout`), so kvconn can cut them at a head
+granularity finer than the rank's own (``shard_heads``; SGLang's ``tp_lcm_size``).
+SGLang 0.5.23's MHA host buffers (``MHATokenToKVPoolHost.init_kv_buffer``) are, per
+component (K, V) and page::
+
+    layer_first        [layers][page_size][heads][head_dim]   one region per layer: outer page_size
+    page_first         [page_size][layers][heads][head_dim]   outer page_size * layers
+    page_first_direct  [layers][page_size][heads][head_dim]   outer layers * page_size
+    page_head          [heads][page_size][layers][head_dim]   outer 1: a head's bytes are contiguous
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,8 +127,8 @@ def describe_host_pool(
         regions: list[Region] = []
         for role, views in _components(pool, pages, units, dtype, roles):
             regions.extend(
-                Region.from_tensor(role, layer, view, pool.kv_buffer, index)
-                for layer, view in views
+                Region.from_tensor(role, layer, view, pool.kv_buffer, index, unit_dim)
+                for layer, view, unit_dim in views
             )
         label = f"hicache {pool.layout}" if index == 0 else f"hicache {pool.name} {pool.layout}"
         groups.append(LayerGroup(index, pages, tuple(regions), name=label))
@@ -131,11 +143,16 @@ def describe_host_pool(
     )
 
 
+#: A region of one role: its layer, its view (pages along dim 0, in the order of SGLang's
+#: flat page) and the view's dimension of KV heads (``None``: no unit layout).
+_Views = list[tuple[int, torch.Tensor, int | None]]
+
+
 def _components(
     pool: HostPoolShape, pages: int, units: int, dtype: str, roles: dict[str, Role]
-) -> list[tuple[str, list[tuple[int, torch.Tensor]]]]:
-    """Per role of ``pool`` (declared into ``roles``), its ``(layer, view)`` regions, each
-    view ``[pages, bytes of one page]`` in the order of SGLang's flat page."""
+) -> list[tuple[str, _Views]]:
+    """Per role of ``pool`` (declared into ``roles``), its ``(layer, view, unit_dim)``
+    regions, each view a page per row in the order of SGLang's flat page."""
 
     def declare(role: Role) -> str:
         if role.name in roles:
@@ -152,10 +169,12 @@ def _components(
             raise LayoutError(f"SGLang has no {pool.layout} layout for the indexer pool")
         if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
             _check_rows(pool, buffer, pages, layer_dim=0, page_dim=1, dims=3)
-            return [(role, [(layer, buffer[layer, :pages]) for layer in range(pool.layer_num)])]
+            return [
+                (role, [(layer, buffer[layer, :pages], None) for layer in range(pool.layer_num)])
+            ]
         # [pages, layers, 1, bytes]: a whole page of every layer is one contiguous range
         _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
-        return [(role, [(0, buffer[:pages].reshape(pages, -1))])]
+        return [(role, [(0, buffer[:pages].reshape(pages, -1), None)])]
     if pool.kind == "mha":
         components = [
             (declare(Role("k", units, dtype)), buffer[0]),
@@ -165,7 +184,7 @@ def _components(
         components = [(declare(Role("latent", 1, dtype)), buffer)]
     else:
         raise LayoutError(f"unknown host pool kind {pool.kind!r}")
-    out: list[tuple[str, list[tuple[int, torch.Tensor]]]] = []
+    out: list[tuple[str, _Views]] = []
     for role, tensor in components:
         if pool.layout == LAYER_FIRST:
             # [layer, token, …]: one region per layer, a page is page_size token rows
@@ -174,12 +193,52 @@ def _components(
                     f"{role}: layer_first buffer has {tensor.shape[0]} layers, "
                     f"the host pool says {pool.layer_num}"
                 )
-            views = [(layer, tensor[layer].reshape(pages, -1)) for layer in range(pool.layer_num)]
-            out.append((role, views))
+            layers = range(pool.layer_num)
+            out.append(
+                (role, [(layer, *_by_heads(pool, tensor[layer], pages)) for layer in layers])
+            )
         else:
             # [page or token, …]: a whole page of every layer is one contiguous range
-            out.append((role, [(0, tensor.reshape(pages, -1))]))
+            out.append((role, [(0, *_by_heads(pool, tensor, pages))]))
     return out
+
+
+#: Per host layout, an MHA component's (K's or V's) dimensions but the last (head_dim),
+#: by name (``tokens`` = pages * page_size); ``layer_first`` is one layer's.
+_MHA_DIMS = {
+    LAYER_FIRST: ("tokens", "heads"),
+    "page_first": ("tokens", "layers", "heads"),
+    "page_first_direct": ("pages", "layers", "page_size", "heads"),
+    "page_head": ("pages", "heads", "page_size", "layers"),
+}
+
+
+def _by_heads(
+    pool: HostPoolShape, tensor: torch.Tensor, pages: int
+) -> tuple[torch.Tensor, int | None]:
+    """A component's view, a page per row, and the view's dimension of KV heads.
+
+    For MHA the view is ``[pages, outer, heads, inner]``: the same bytes as ``[pages,
+    bytes of one page]``, with ``outer`` the page's dimensions before the heads (1 in
+    ``page_head``). Any other pool, or an MHA buffer whose shape is not SGLang's for its
+    layout, gets no unit layout: its pages are still stored, and kvconn refuses to cut
+    them finer than the rank's heads.
+    """
+    flat = tensor.reshape(pages, -1)
+    names = _MHA_DIMS.get(pool.layout)
+    if pool.kind != "mha" or names is None:
+        return flat, None
+    sizes = {
+        "tokens": pages * pool.page_size,
+        "pages": pages,
+        "heads": pool.head_num,
+        "layers": pool.layer_num,
+        "page_size": pool.page_size,
+    }
+    if tuple(tensor.shape[:-1]) != tuple(sizes[name] for name in names):
+        return flat, None
+    inner = math.prod(tensor.shape[names.index("heads") + 1 :])
+    return tensor.reshape(pages, -1, pool.head_num, inner), 2
 
 
 def _check_rows(

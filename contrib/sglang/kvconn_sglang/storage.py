@@ -25,6 +25,11 @@ names and answers for it alone, as SGLang expects; the hit stays one lookup over
 pool. Side pools that are not KV per page (Mamba, SWA state, DeepSeek-V4's compressed
 pools, draft pools) are refused by name when SGLang registers them.
 
+Instances at different TP sizes share K/V pages when SGLang splits heads
+(``tp_lcm_size`` in the extra config, ``should_split_heads``): the adapter sets kvconn's
+``shard_heads`` to ``min(tp_lcm_size, KV heads)``, so every TP size dividing
+``tp_lcm_size`` cuts the same pages, ``w<G>r<j>``, out of its host pool's heads.
+
 SGLang calls ``batch_exists(_v2)``, ``batch_get_v1/v2`` and ``batch_set_v1/v2`` from
 three threads (prefetch, prefetch I/O, backup). Loads and saves go through kvconn's
 transfer service (:mod:`kvconn.transfer`), the one every engine adapter uses: a save is
@@ -61,7 +66,7 @@ from kvconn.connector import Connector
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT
-from kvconn.plan import WriterPolicy
+from kvconn.plan import WriterPolicy, plan_pages
 from kvconn.results import Outcome
 from kvconn.transfer import Transfer, TransferService
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
@@ -145,10 +150,20 @@ class KvconnHiCacheStorage(HiCacheStorage):
         own); ``backend`` replaces the configured one (tests; a backend shared in-process).
         """
         units = self._kv_units(shape)
+        shard_heads = self._shard_heads(shape, units)
+        config = self.settings.connector
+        if shard_heads != config.shard_heads:
+            config = dataclasses.replace(config, shard_heads=shard_heads)
         layout = describe_host_pool(shape, self.storage_config.tp_size, units, side_pools)
+        if self.storage_config.should_split_heads:
+            try:  # what the connector will plan, refused here naming tp_lcm_size
+                plan_pages(layout, config.checksum, shard_heads)
+            except (ConfigError, LayoutError) as exc:
+                label = f"{self._split_label(units)} (kvconn shard_heads={shard_heads})"
+                raise type(exc)(f"{label}: {exc}") from exc
         self.close()
         self.connector = Connector(
-            self.settings.connector,
+            config,
             layout,
             rank=self.storage_config.tp_rank,
             pools=[shape.kv_buffer, *(pool.kv_buffer for pool in side_pools)],
@@ -161,7 +176,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         }
         log.info(
             "kvconn HiCache storage: rank %d/%d, %s %s pages of %d tokens%s, backend %r, "
-            "K/V units %s, writers %s",
+            "K/V units %s%s, writers %s",
             self.storage_config.tp_rank,
             self.storage_config.tp_size,
             shape.kind,
@@ -170,6 +185,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
             "".join(f" + {pool.name} pool" for pool in side_pools),
             self.settings.connector.backend,
             units if shape.kind == "mha" else "replicated",
+            f" cut at shard_heads={shard_heads}" if shard_heads is not None else "",
             "spread over replicas" if self.every_rank_saves else "this rank writes all",
         )
 
@@ -180,11 +196,48 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if self.settings.kv_heads is not None:  # stated by the operator: must fit
             return kv_units(shape.head_num, tp, self.settings.kv_heads)
         served = _served_kv_heads()
+        if self.storage_config.should_split_heads:
+            # Pages shared across TP sizes need the same global head count at every TP
+            # size: no fallback to keying this TP size's K/V on its own.
+            if served is None and shape.head_num == 1:
+                raise ConfigError(
+                    f"{self._split_label(None)}: the model's KV head count is unknown and "
+                    "this rank holds one head (SGLang duplicates a head over ranks when "
+                    'there are fewer heads than ranks); set "kv_heads" in the extra config'
+                )
+            return kv_units(shape.head_num, tp, served)
         try:
             return kv_units(shape.head_num, tp, served)
         except LayoutError as exc:
             log.warning("kvconn HiCache storage: %s; keying every rank's K/V separately", exc)
             return kv_units(shape.head_num, tp, None)
+
+    def _split_label(self, kv_heads: int | None) -> str:
+        config = self.storage_config
+        heads = f" with {kv_heads} KV heads" if kv_heads is not None else ""
+        return f"tp_lcm_size={config.tp_lcm_size} at TP={config.tp_size}{heads}"
+
+    def _shard_heads(self, shape: HostPoolShape, units: int) -> int | None:
+        """kvconn's ``shard_heads`` for this instance: the configured one, or with SGLang's
+        head split (``should_split_heads``) the granularity ``tp_lcm_size`` asks for."""
+        explicit = self.settings.connector.shard_heads
+        config = self.storage_config
+        if not config.should_split_heads:
+            return explicit
+        if shape.kind != "mha":
+            raise ConfigError(
+                f"{self._split_label(None)}: SGLang asks to split K/V heads, but the host "
+                f"pool is {shape.kind}, which has no heads to split"
+            )
+        shards = tp_lcm_shards(config.tp_lcm_size, config.tp_size, units)
+        if explicit is not None and explicit != shards:
+            raise ConfigError(
+                f"the kvconn config sets shard_heads={explicit}, but "
+                f"{self._split_label(units)} cuts K/V pages at {shards} head shards; "
+                "remove shard_heads from the kvconn config (tp_lcm_size sets it) or make "
+                "them agree"
+            )
+        return shards
 
     def _require(self) -> Connector:
         if self.connector is None:
@@ -424,14 +477,36 @@ def _check_supported(config: HiCacheStorageConfig) -> None:
         raise ConfigError(f"the kvconn HiCache backend does not support {', '.join(found)} yet")
     if config.should_split_heads:
         # SGLang sets it for MHA page_head pools when tp_lcm_size > tp_size: instances
-        # of different TP sizes share one store, K/V split at tp_lcm_size head shards.
+        # of different TP sizes share one store, K/V split at tp_lcm_size head shards
+        # (kvconn's shard_heads, chosen once the host pool's heads are known).
+        lcm = config.tp_lcm_size
+        if isinstance(lcm, bool) or not isinstance(lcm, int) or lcm < 1 or lcm % config.tp_size:
+            raise ConfigError(
+                f"tp_lcm_size={lcm!r} at TP={config.tp_size}: tp_lcm_size must be a "
+                "positive multiple of the TP size of every instance sharing the store"
+            )
+
+
+def tp_lcm_shards(tp_lcm_size: int, tp_size: int, kv_heads: int) -> int:
+    """The head shards K/V pages are cut at when SGLang splits heads over ``tp_lcm_size``.
+
+    ``min(tp_lcm_size, kv_heads)``: every instance sharing ``tp_lcm_size`` (TP sizes that
+    divide it) computes the same number, and with fewer KV heads than ``tp_lcm_size`` a
+    page holds one head (SGLang's own backends cannot split those at all). It must
+    divide the heads (a page holds whole heads) and be a multiple of this TP size's own
+    shards, ``min(TP, kv_heads)`` (a page's heads lie on one rank); otherwise a
+    :class:`ConfigError` naming all three numbers.
+    """
+    shards = min(tp_lcm_size, kv_heads)
+    if kv_heads % shards or shards % min(tp_size, kv_heads):
         raise ConfigError(
-            f"the kvconn HiCache backend does not split K/V heads across TP sizes yet "
-            f"(tp_lcm_size={config.tp_lcm_size} at TP={config.tp_size}): kvconn serves "
-            "this with its shard_heads setting (pages cut at tp_lcm_size head shards), "
-            "which this kvconn does not have; remove tp_lcm_size from the extra config "
-            "(each TP size then keeps its own K/V pages)"
+            f"tp_lcm_size={tp_lcm_size} at TP={tp_size} with {kv_heads} KV heads: kvconn "
+            f"cuts shared K/V pages at min(tp_lcm_size, KV heads) = {shards} head shards, "
+            f"which must divide the {kv_heads} KV heads and be a multiple of this TP's "
+            f"{min(tp_size, kv_heads)} shards; choose a tp_lcm_size that divides the KV "
+            "head count, or one at least as large"
         )
+    return shards
 
 
 def _every_rank_saves(config: HiCacheStorageConfig) -> bool:

@@ -16,7 +16,12 @@ from kvconn.plan import plan_pages
 from kvconn.registry import load_backend
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
 from kvconn_sglang.settings import AdapterSettings
-from kvconn_sglang.storage import KvconnHiCacheStorage, _every_rank_saves, _shape_of
+from kvconn_sglang.storage import (
+    KvconnHiCacheStorage,
+    _every_rank_saves,
+    _shape_of,
+    tp_lcm_shards,
+)
 
 V1 = {"interface_v1": 1, "kvconn": {"backend": "lmdb"}}
 
@@ -150,11 +155,165 @@ def test_parallel_shapes_the_adapter_would_key_wrongly_are_refused_at_start(fiel
         KvconnHiCacheStorage(storage_config(**fields))
 
 
-def test_head_splitting_across_tp_sizes_is_refused_naming_the_setting_that_will_serve_it():
-    # SGLang sets should_split_heads for MHA page_head pools with tp_lcm_size > tp_size
-    config = storage_config(tp_size=4, tp_lcm_size=8, should_split_heads=True)
-    with pytest.raises(ConfigError, match=r"tp_lcm_size=8 at TP=4.*shard_heads"):
-        KvconnHiCacheStorage(config)
+#: SGLang 0.5.23's MHA host buffers (MHATokenToKVPoolHost.init_kv_buffer), by layout:
+#: the dimension of KV heads, and how a page's tokens or index select its part.
+MHA_HEADS_DIM = {"layer_first": 3, "page_first": 3, "page_first_direct": 4, "page_head": 2}
+
+
+def mha_buffer(layout, pages=5, ps=4, layers=3, heads=2, dim=8):
+    size = pages * ps
+    dims = {
+        "layer_first": (2, layers, size, heads, dim),
+        "page_first": (2, size, layers, heads, dim),
+        "page_first_direct": (2, pages, layers, ps, heads, dim),
+        "page_head": (2, pages, heads, ps, layers, dim),
+    }[layout]
+    return torch.zeros(dims, dtype=torch.bfloat16)
+
+
+def pages_of(layout, buffer, first, count, ps=4):
+    """The part of an MHA host buffer holding pages ``[first, first + count)``."""
+    if layout == "layer_first":
+        return buffer[:, :, first * ps : (first + count) * ps]
+    if layout == "page_first":
+        return buffer[:, first * ps : (first + count) * ps]
+    return buffer[:, first : first + count]
+
+
+@pytest.mark.parametrize(
+    ("layout", "outer"),
+    [("layer_first", 4), ("page_first", 4 * 3), ("page_first_direct", 3 * 4), ("page_head", 1)],
+)
+def test_mha_k_and_v_regions_say_which_bytes_hold_which_head(layout, outer):
+    """[outer][heads][inner] per page: token-major slots have outer = the page's tokens
+    (times the layers before the heads); page_head keeps each head's page contiguous."""
+    shape = HostPoolShape("mha", layout, 4, 3, 20, mha_buffer(layout), 2)
+    regions = describe_host_pool(shape, 2, 4).group(0).regions
+    assert {r.role for r in regions} == {"k", "v"}
+    for region in regions:
+        units = region.unit_layout
+        assert units is not None
+        assert (units.units, units.outer, units.inner) == (2, outer, region.size // outer // 2)
+    # the latent of an MLA pool is the same on every rank: nothing to cut by heads
+    kv, _ = mla_dsa_shapes(layout if layout != "page_head" else "page_first")
+    assert all(r.unit_layout is None for r in describe_host_pool(kv, 2, 1).group(0).regions)
+
+
+def split_storage(layout, tp, rank, store, *, lcm=4, heads=4, kvconn=None, pages=5):
+    """Rank ``rank`` of a TP=``tp`` instance with its own host pool, over one LMDB store;
+    SGLang's config for tp_lcm_size (``should_split_heads`` as its controller sets it)."""
+    extra = V1 | {"kv_heads": heads, "kvconn": {"backend": "lmdb", **(kvconn or {})}}
+    config = storage_config(
+        tp_rank=rank,
+        tp_size=tp,
+        tp_lcm_size=lcm,
+        should_split_heads=layout == "page_head" and lcm > tp,
+        extra_config=extra,
+    )
+    storage = KvconnHiCacheStorage(config)
+    local = max(heads // tp, 1)
+    buffer = mha_buffer(layout, pages=pages, heads=local)
+    shape = HostPoolShape("mha", layout, 4, 3, pages * 4, buffer, local)
+    storage.attach(shape, backend=load_backend("lmdb", {"path": str(store)}))
+    return storage, buffer
+
+
+def stored_shards(store):
+    backend = load_backend("lmdb", {"path": str(store)})
+    try:
+        parts = [key.split("/") for key, _ in backend.list_keys("")]
+    finally:
+        backend.close()
+    return sorted({p[2] for p in parts if p[2] != "_layout"})
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(4, 2), (2, 4)])
+@pytest.mark.parametrize("layout", ["page_head", "layer_first", "page_first", "page_first_direct"])
+def test_instances_at_tp_sizes_dividing_tp_lcm_size_share_kv_pages(
+    tmp_path, layout, writer_tp, reader_tp
+):
+    """4 KV heads, tp_lcm_size=4: every rank of one instance stores its heads' pages,
+    every rank of the other finds and loads its heads byte-exact, keyed w4r<j>.
+
+    page_head is SGLang's split (should_split_heads); the other layouts share pages only
+    with kvconn's shard_heads set in the kvconn config (SGLang splits only page_head).
+    """
+    kvconn = {} if layout == "page_head" else {"shard_heads": 4}
+    hd = MHA_HEADS_DIM[layout]
+    model = mha_buffer(layout, heads=4).normal_()  # every head of the model, every page
+    keys = KEYS  # 3 pages
+    written = torch.arange(0, 12)  # pages 0-2
+
+    def instance(tp):
+        return [split_storage(layout, tp, r, tmp_path, kvconn=kvconn) for r in range(tp)]
+
+    writers = instance(writer_tp)
+    readers = instance(reader_tp)
+    try:
+        for rank, (storage, buffer) in enumerate(writers):
+            per = 4 // writer_tp
+            buffer.copy_(model.narrow(hd, rank * per, per))
+            assert storage.batch_set_v1(keys, written) == [True] * 3
+            done = rank + 1 == writer_tp
+            # the hit needs every head shard's page: no instance hits on part of them
+            assert readers[0][0].batch_exists(keys) == (3 if done else 0)
+        assert stored_shards(tmp_path) == ["w4r0", "w4r1", "w4r2", "w4r3"]
+        for rank, (storage, buffer) in enumerate(readers):
+            per = 4 // reader_tp
+            assert storage.batch_exists(keys) == 3
+            assert storage.batch_get_v1(keys, written) == [True] * 3
+            expected = torch.zeros_like(buffer)
+            pages_of(layout, expected, 0, 3).copy_(
+                pages_of(layout, model, 0, 3).narrow(hd, rank * per, per)
+            )
+            assert torch.equal(buffer, expected), f"TP={reader_tp} rank {rank}"
+    finally:
+        for storage, _ in writers + readers:
+            storage.close()
+
+
+def test_tp_lcm_size_cuts_pages_at_the_heads_when_there_are_fewer_heads():
+    """SGLang's own backends cannot split fewer heads than tp_lcm_size; kvconn cuts at
+    one head per page, which every TP size dividing tp_lcm_size also cuts."""
+    assert tp_lcm_shards(8, 2, 16) == 8
+    assert tp_lcm_shards(8, 2, 4) == 4
+    assert tp_lcm_shards(8, 4, 2) == 2  # one head on two ranks: the TP size's own shards
+    with pytest.raises(ConfigError, match=r"tp_lcm_size=8 at TP=2 with 12 KV heads"):
+        tp_lcm_shards(8, 2, 12)
+
+
+def test_tp_lcm_size_combinations_kvconn_cannot_serve_are_refused_by_name(tmp_path):
+    # 12 heads do not split into 8 shards of whole heads
+    with pytest.raises(ConfigError, match=r"tp_lcm_size=8 at TP=2 with 12 KV heads"):
+        split_storage("page_head", 2, 0, tmp_path, lcm=8, heads=12)
+    # kvconn's own shard_heads must agree with tp_lcm_size's
+    with pytest.raises(ConfigError, match=r"shard_heads=2.*tp_lcm_size=4 at TP=2"):
+        split_storage("page_head", 2, 0, tmp_path, kvconn={"shard_heads": 2})
+    # the same head count at every TP size, or the pages would not meet
+    with pytest.raises(LayoutError, match="kv_heads=4 at TP=2"):
+        KvconnHiCacheStorage(
+            storage_config(
+                tp_size=2,
+                tp_lcm_size=4,
+                should_split_heads=True,
+                extra_config=V1 | {"kv_heads": 4},
+            )
+        ).attach(HostPoolShape("mha", "page_head", 4, 3, 20, mha_buffer("page_head", heads=1), 1))
+    # one head on this rank and no kv_heads: the head count is unknown
+    with pytest.raises(ConfigError, match=r"tp_lcm_size=8 at TP=4.*\"kv_heads\""):
+        config = storage_config(tp_size=4, tp_lcm_size=8, should_split_heads=True)
+        shape = HostPoolShape("mha", "page_head", 4, 3, 20, mha_buffer("page_head", heads=1), 1)
+        KvconnHiCacheStorage(config).attach(shape)
+    # a buffer not in SGLang's page_head shape says nothing of its heads: not cut
+    odd = torch.zeros(2, 5, 2 * 4 * 3 * 8, dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match=r"tp_lcm_size=4 at TP=2 with 4 KV heads.*unit layout"):
+        config = storage_config(
+            tp_size=2, tp_lcm_size=4, should_split_heads=True, extra_config=V1 | {"kv_heads": 4}
+        )
+        KvconnHiCacheStorage(config).attach(HostPoolShape("mha", "page_head", 4, 3, 20, odd, 2))
+    # SGLang asserts it too: a tp_lcm_size that is no multiple of the TP size
+    with pytest.raises(ConfigError, match=r"tp_lcm_size=6 at TP=4"):
+        KvconnHiCacheStorage(storage_config(tp_size=4, tp_lcm_size=6, should_split_heads=True))
 
 
 def test_sglang_saves_mla_from_rank_0_only_and_mha_from_every_rank():
