@@ -676,7 +676,10 @@ class BackendTests:
                     "a call in flight kept the other from starting"
                 )
                 time.sleep(0.005)
-            assert store.exists([present, *held]) == [True, False, False]
+            found = store.exists([present, *held])
+            assert found == [True, False, False], (
+                f"exists of a stored key and two held puts: {found}"
+            )
             assert not outcome, f"a put ended before the store let it: {outcome}"
         finally:
             write_stall.release()
