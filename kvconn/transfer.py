@@ -154,9 +154,11 @@ class Transfer:
             if self._result is not None:
                 return False
             self._result = result
-        self._done.set()
+        # Recorded as finished before waiters wake: one that waits, then asks the
+        # service what finished, finds this transfer there.
         if self._on_done is not None:
             self._on_done(self)
+        self._done.set()
         return True
 
     def _part_stored(self, result: SaveResult) -> None:

@@ -374,3 +374,13 @@ def test_a_backend_that_raises_while_the_service_stores_does_not_kill_its_thread
     assert first.wait(10) and first.outcomes == (Outcome.DROPPED,) * 2
     second = service.save(HASHES[2:4], SLOTS[2:4])
     assert second.wait(10) and second.outcomes == (Outcome.WRITTEN,) * 2
+
+
+def test_a_transfer_its_waiter_sees_finished_is_already_in_the_services_finished_list():
+    """An adapter that waits on a handle and then collects what finished must find it."""
+    transfer = Transfer("load", "t", 1)
+    order: list[str] = []
+    transfer._on_done = lambda t: order.append(f"recorded, waiters woken: {t.done()}")
+    assert transfer.cancel()
+    assert order == ["recorded, waiters woken: False"]
+    assert transfer.done()
