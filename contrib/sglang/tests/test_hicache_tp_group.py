@@ -45,6 +45,14 @@ def _cases(root: Path) -> dict[str, Case]:
             case("mha-layer-first"),
             case("mha-page-first", layout="page_first"),
             case("mha-page-first-direct", layout="page_first_direct"),
+            # SGLang splits heads for instances of TP sizes dividing 4: kvconn cuts K/V
+            # at 4 head shards, two per rank (4 KV heads)
+            Case(
+                "mha-page-head-tp-lcm-4",
+                pages=PAGES,
+                layout="page_head",
+                extra_config=extra_config(root / "mha-page-head-tp-lcm-4", tp_lcm_size=4),
+            ),
             # one KV head for the model at TP=2: both ranks hold the same K/V
             case("gqa-duplicated", heads=1, kv_heads=1),
             case("mla-layer-first", model="mla"),
@@ -111,6 +119,7 @@ ALL_LOADED = [
     "mha-layer-first",
     "mha-page-first",
     "mha-page-first-direct",
+    "mha-page-head-tp-lcm-4",
     "gqa-duplicated",
     "mla-layer-first",
     "mla-page-first",
@@ -135,6 +144,14 @@ def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes(runs, na
 def test_distinct_heads_on_each_rank_are_stored_once_per_rank(runs, name):
     assert stored_pages(runs, name) == {f"w{WORLD}r0": PAGES, f"w{WORLD}r1": PAGES}
     assert [written(r) for r in runs[name]] == [PAGES, PAGES]
+
+
+def test_sglangs_head_split_stores_each_rank_s_heads_as_pages_any_tp_dividing_4_cuts(runs):
+    """``tp_lcm_size = 4`` at TP=2 (4 KV heads): each rank writes its two heads as two
+    one-head pages, ``w4r<j>``, the pages a TP=1 or TP=4 instance cuts too."""
+    name = "mha-page-head-tp-lcm-4"
+    assert stored_pages(runs, name) == {f"w4r{j}": PAGES for j in range(4)}
+    assert [written(r) for r in runs[name]] == [2 * PAGES, 2 * PAGES]
 
 
 def test_a_gqa_head_duplicated_on_both_ranks_is_stored_once_with_writes_spread(runs):
