@@ -421,6 +421,9 @@ class Runner:
         self.model = model
         self.stores = stores
         self.count = 0
+        #: the 1-minute load average at every engine's start and end: how busy the
+        #: shared machine was while it measured
+        self.load: list[float] = []
         self.hit_blocks = (args.prompt_tokens - 1) // BLOCK
         self.model_name = f"bench/qwen2.5-0.5b-geometry-{args.layers}l@{os.getpid()}"
 
@@ -514,6 +517,7 @@ class Runner:
         ]
         print(f"  [{time.strftime('%H:%M:%S')}] {key} ...", end="", flush=True, file=sys.stderr)
         begun = time.monotonic()
+        self.load.append(os.getloadavg()[0])
         with open(log, "w") as stream:
             proc = subprocess.Popen(
                 command, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
@@ -524,6 +528,7 @@ class Runner:
                 code = None
             finally:
                 _kill_group(proc)
+        self.load.append(os.getloadavg()[0])
         text = log.read_text(errors="replace")
         lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
         result = json.loads(lines[-1][len("RESULT ") :]) if lines else None
@@ -827,6 +832,7 @@ class Results:
     errors: list[dict[str, Any]] = field(default_factory=list)
     binding: dict[str, list[str]] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
+    load: list[float] = field(default_factory=list)
 
     def add(self, figure: str, tp: int, config: str, values: dict[str, Any]) -> None:
         self.samples.setdefault(f"{figure}/tp{tp}/{config}", []).append(values)
@@ -896,6 +902,7 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                         results.error(key, run.error)
                     if run.records:
                         results.add("scheduler", 1, "kvconn-silent", scheduler_figures(run))
+        results.load = runner.load
     return results
 
 
@@ -1241,7 +1248,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run_all(args, work)
     text = report(args, results)
     print(start_header)
-    print(f"load average {loadavg()} at the end; {(time.time() - began) / 60:.0f} min")
+    during = ""
+    if results.load:
+        low, mid, high = min(results.load), statistics.median(results.load), max(results.load)
+        during = f"1-minute load average at engine starts and ends: median {mid:.1f}, "
+        during += f"{low:.1f}-{high:.1f}; "
+    print(f"{during}load average {loadavg()} at the end; {(time.time() - began) / 60:.0f} min")
     print()
     print(text)
     if args.json:
@@ -1249,6 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": " ".join(sys.argv),
             "header": start_header,
             "load_end": os.getloadavg(),
+            "load_during": results.load,
             "args": {k: v for k, v in vars(args).items() if k not in ("engine_job", "make_model")},
             "engine": results.engine,
             "medians": {
