@@ -49,8 +49,10 @@ _EXPORTS: dict[str, str] = {
     "block_hashes": "kvconn.hashing",
     "KvLayout": "kvconn.layout",
     "LayerGroup": "kvconn.layout",
+    "NO_SLOT": "kvconn.layout",
     "Region": "kvconn.layout",
     "Role": "kvconn.layout",
+    "UnitLayout": "kvconn.layout",
     "shard_position": "kvconn.layout",
     "WriterPolicy": "kvconn.plan",
     "installed_backends": "kvconn.registry",
@@ -92,10 +94,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.hashing import adopt_hashes as adopt_hashes
     from kvconn.hashing import block_hashes as block_hashes
     from kvconn.keys import parse_key as parse_key
+    from kvconn.layout import NO_SLOT as NO_SLOT
     from kvconn.layout import KvLayout as KvLayout
     from kvconn.layout import LayerGroup as LayerGroup
     from kvconn.layout import Region as Region
     from kvconn.layout import Role as Role
+    from kvconn.layout import UnitLayout as UnitLayout
     from kvconn.layout import shard_position as shard_position
     from kvconn.lookup import DeadlineLookup as DeadlineLookup
     from kvconn.lookup import Lookup as Lookup

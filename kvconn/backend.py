@@ -14,15 +14,20 @@ Semantics a backend must keep (the shipped conformance suite checks each):
   buffer's is a failure and leaves the buffer untouched. With ``scratch=True`` the
   caller declares the buffers its own scratch space: a key that fails may leave any
   bytes in its buffer (a value of the wrong size is still a failure, never a success).
+* ``borrow`` (optional, ``Capabilities.borrowed_reads``) lends read-only views of the
+  stored values for the length of a ``with`` block, so a caller can verify and scatter
+  straight from the store's memory instead of copying into staging first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import Any, ClassVar
 
@@ -30,6 +35,16 @@ from kvconn.errors import InvalidKeyError
 
 # Buffers accepted as values: anything exporting the buffer protocol.
 Buffer = Any
+
+
+class ReadStatus(str, Enum):
+    """Why a key of a read did or did not load (:meth:`Backend.read`)."""
+
+    LOADED = "loaded"
+    MISSING = "missing"  # not stored: evicted or never written
+    WRONG_SIZE = "wrong_size"  # stored, but not a value of the buffer's size: unreadable
+    UNREACHABLE = "unreachable"  # stored, but its bytes could not be fetched right now
+    FAILED = "failed"  # did not load; the backend cannot tell why
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,9 @@ class Capabilities:
     #: Calls may come from several threads at once. A connector serializes its calls
     #: to a backend that does not declare this (one lock per backend object).
     thread_safe: bool = False
+    #: borrow() lends read-only views of stored values where the store holds them (an
+    #: embedded store's memory map), saving the copy into staging that get() makes.
+    borrowed_reads: bool = False
 
 
 def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:
@@ -136,16 +154,84 @@ class Backend(ABC):
         reports a value's length only after copying it can then skip a size query (a
         round trip per batch: as costly as the transfer for small values).
         """
-        keys = self._check_keys(keys)
-        if len(buffers) != len(keys):
-            raise ValueError(f"get: {len(keys)} keys but {len(buffers)} buffers")
-        views = _views(keys, buffers, "buffer")
-        if any(view.readonly for view in views):
-            key = next(k for k, view in zip(keys, views) if view.readonly)
-            raise ValueError(f"get: the buffer for {key!r} is read-only")
+        keys, views = self._get_args(keys, buffers, "get")
         if not keys:
             return []
         return self._checked_result(self._get(keys, views, scratch=scratch), len(keys), "get")
+
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[Buffer], *, scratch: bool = False
+    ) -> list[ReadStatus]:
+        """:meth:`get`, telling per key *why* a value did not load, where the store can.
+
+        The connector repairs a page only when it is stored but unreadable
+        (``WRONG_SIZE``): a page that is only ``UNREACHABLE`` right now (its holder's
+        process died; another replica or a restarted segment may serve it) is a miss
+        and is kept. Backends that cannot tell answer ``FAILED`` and the connector asks
+        ``exists`` to tell a missing page from an unreadable one.
+        """
+        keys, views = self._get_args(keys, buffers, "get")
+        if not keys:
+            return []
+        statuses = list(self._read_status(keys, views, scratch=scratch))
+        if len(statuses) != len(keys):
+            raise AssertionError(
+                f"{self.name} backend read answered {len(statuses)} of {len(keys)} keys"
+            )
+        return [ReadStatus(s) for s in statuses]
+
+    def _get_args(
+        self, keys: Sequence[str], buffers: Sequence[Buffer], op: str
+    ) -> tuple[list[str], list[memoryview]]:
+        keys = self._check_keys(keys)
+        if len(buffers) != len(keys):
+            raise ValueError(f"{op}: {len(keys)} keys but {len(buffers)} buffers")
+        views = _views(keys, buffers, "buffer")
+        if any(view.readonly for view in views):
+            key = next(k for k, view in zip(keys, views) if view.readonly)
+            raise ValueError(f"{op}: the buffer for {key!r} is read-only")
+        return keys, views
+
+    def borrow(
+        self, keys: Sequence[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        """Lend the stored values of ``keys`` for the length of a ``with`` block.
+
+        ``with backend.borrow(keys) as views:`` gives, per key, a read-only memoryview of
+        the value where the store holds it, or ``None`` when the key is absent. Only with
+        ``capabilities.borrowed_reads``; raises :class:`BackendError` when the store cannot
+        answer, like ``exists`` (never ``None`` for "could not ask").
+
+        Why: ``get`` copies each value into a caller's buffer, and a load then reads that
+        copy twice more (checksum, scatter). A store whose values already sit in this
+        process's memory can let the caller verify and scatter from there, one copy fewer.
+
+        The views are valid only inside the block: do not keep them, or anything made
+        from them (numpy arrays, tensors), past its end — the store may reuse or unmap
+        that memory afterwards, and a backend may release the views so that using one
+        raises. Note for implementers: while the block runs, every view must keep the
+        bytes it showed when lent, whatever other processes or threads write, delete or
+        resize meanwhile (LMDB: one read transaction holds the snapshot), and the store
+        must stay usable by other callers.
+        """
+        if not self.capabilities.borrowed_reads:
+            raise NotImplementedError(
+                f"the {self.name!r} backend cannot lend stored values "
+                "(capabilities.borrowed_reads is not declared)"
+            )
+        keys = self._check_keys(keys)
+        if not keys:
+            return contextlib.nullcontext([])
+        return self._lent(keys)
+
+    @contextlib.contextmanager
+    def _lent(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
+        with self._borrow(keys) as views:
+            if len(views) != len(keys):
+                raise AssertionError(
+                    f"{self.name} backend borrow answered {len(views)} of {len(keys)} keys"
+                )
+            yield views
 
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove keys; per key, whether it was present. Only with ``capabilities.delete``."""
@@ -155,9 +241,19 @@ class Backend(ABC):
         return self._checked_result(self._delete(keys), len(keys), "delete") if keys else []
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
-        """Yield ``(key, value size)`` of stored keys starting with ``prefix``."""
+        """Yield ``(key, value size)`` of stored keys starting with ``prefix``.
+
+        A prefix outside the key alphabet (non-ASCII, a space, a control character)
+        lists nothing, since no key can start with it; without this check each store
+        failed on it in its own way (Redis with a ``UnicodeEncodeError``).
+        :func:`kvconn.keys.spell_prefix` turns typed text into the spelling keys use.
+        """
         if not self.capabilities.listing:
             raise NotImplementedError(f"the {self.name!r} backend cannot list keys")
+        if not isinstance(prefix, str):
+            raise InvalidKeyError(f"a key prefix must be str, got {type(prefix).__name__}")
+        if prefix and not _keys_look_valid([prefix], self.max_key_length):
+            return iter(())
         return self._list(prefix)
 
     def register_buffer(self, buffer: memoryview) -> None:
@@ -165,6 +261,18 @@ class Backend(ABC):
 
     def unregister_buffer(self, buffer: memoryview) -> None:
         """Undo :meth:`register_buffer` before the buffer's memory is freed."""
+
+    def check_access(self, key_prefix: str) -> None:
+        """Raise :class:`~kvconn.errors.ConfigError` if keys under ``key_prefix`` are off limits.
+
+        Called once at start-up with what every key of the caller starts with (a
+        connector's ``{namespace}/{model}/``, :func:`kvconn.keys.key_prefix`). A store
+        that confines a user to some keys (Redis ACL key patterns) can tell only then
+        whether kvconn's are among them; otherwise each call would be refused, served
+        as a miss and logged, for as long as the deployment runs. Note for implementers:
+        a store it cannot reach now is no error here (it may come up later). The default
+        has nothing to check.
+        """
 
     def close(self) -> None:
         """Release connections and handles; the backend is unusable afterwards."""
@@ -209,8 +317,32 @@ class Backend(ABC):
         saves work (a size query per batch), else ignore the flag.
         """
 
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """Note for implementers: override to tell the connector why a key failed.
+
+        ``MISSING``: not stored. ``WRONG_SIZE``: stored, but its value is not of the
+        buffer's size (the connector deletes it). ``UNREACHABLE``: stored, but its bytes
+        could not be fetched now (a dead holder): a miss, and the page is kept. The
+        default cannot tell and answers ``FAILED`` for every key that did not load.
+        """
+        return [
+            ReadStatus.LOADED if ok else ReadStatus.FAILED
+            for ok in self._get(keys, buffers, scratch=scratch)
+        ]
+
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         raise NotImplementedError
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        """Note for implementers: one view (read-only) or None per key, in order, with
+        duplicates answered each time; raise BackendError when the store cannot answer."""
+        raise NotImplementedError(
+            f"the {self.name!r} backend declares no borrowed reads (capabilities.borrowed_reads)"
+        )
 
     def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
         raise NotImplementedError

@@ -10,7 +10,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from pathlib import Path
@@ -34,12 +34,17 @@ ENV_CONFIG_FILE = "KVCONN_CONFIG"
 #: Variables of kvconn's development tools and test harness (``KVCONN_DEV_*``): never a
 #: connector setting, so ``from_env`` leaves them alone instead of calling them typos.
 ENV_TOOL_PREFIX = "KVCONN_DEV_"
+#: The same, named before that prefix existed: scripts/test.sh reads it, and the suite it
+#: runs (the TensorRT-LLM stand-in's ranks) configures connectors from the environment.
+ENV_TOOL_VARIABLES = frozenset({"KVCONN_SKIP_ENGINES"})
 
 #: Upper bounds that only a typo reaches (``"99999999T"``, ``1e300``): refused with a
 #: message at start-up instead of an allocation failure or a back-off that never ends.
 MAX_STAGING_BYTES = 1 << 40  # 1 TiB of host staging
 MAX_RETRY_INTERVAL_S = 86_400.0  # a day
 MAX_WAIT_S = 3_600.0  # an hour: no scheduler waits that long on a cache
+#: More KV heads than any model has: a larger ``shard_heads`` is a typo.
+MAX_SHARD_HEADS = 1 << 16
 #: Settings read from text (the environment) as TOML literals: numbers, sizes.
 _NUMERIC = (
     "staging_bytes",
@@ -48,7 +53,12 @@ _NUMERIC = (
     "lookup_wait_s",
     "lookup_timeout_s",
     "load_timeout_s",
+    "stripe_reads",
+    "verify_replicas_every",
+    "shard_heads",
 )
+#: The sparsest sampling of replica checks (``verify_replicas_every``) a config may ask.
+MAX_VERIFY_EVERY = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,25 @@ class ConnectorConfig:
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
+    #: Read each page several TP ranks hold once per group and pass it over the group
+    #: (kvconn.striped_load): the engine adapter builds a gloo group of its TP ranks.
+    #: Pays against a store behind a network; against an embedded one (LMDB) the
+    #: exchange costs more than reading again (docs/performance.md), hence off by default.
+    stripe_reads: bool = False
+    #: Over a TP group, compare the bytes of a page that several ranks hold across those
+    #: ranks for 1 saved block in this many (and for the first save); 0: never. A page
+    #: kind whose ranks disagree is then keyed per rank (kvconn.replicas). Every rank of
+    #: a group must use the same value.
+    verify_replicas_every: int = 1000
+    #: Cut head-sharded pages at this many shards of the heads (``w<G>r<j>``) whatever
+    #: the TP size, so deployments at different TP sizes share pages: ``G`` a multiple
+    #: of every TP size that shares, dividing every sharded role's units. ``None`` (the
+    #: default): each TP size cuts its own shards (``w<min(tp, units)>r<i>``).
+    shard_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "namespace"):
-            object.__setattr__(self, name, _utf8_text(getattr(self, name), name))
+            object.__setattr__(self, name, typed_text(getattr(self, name), name))
             key_part(getattr(self, name), name)
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"backend must be a non-empty name, got {self.backend!r}")
@@ -100,6 +125,18 @@ class ConnectorConfig:
         for name in ("staging_bytes", "inflight_bytes"):
             object.__setattr__(self, name, _size(getattr(self, name), name))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
+        if not isinstance(self.stripe_reads, bool):
+            raise ConfigError(f"stripe_reads must be true or false, got {self.stripe_reads!r}")
+        every = self.verify_replicas_every
+        if (
+            isinstance(every, bool)
+            or not isinstance(every, int)
+            or not 0 <= every <= (MAX_VERIFY_EVERY)
+        ):
+            raise ConfigError(
+                f"verify_replicas_every must be an int between 0 (never) and "
+                f"{MAX_VERIFY_EVERY}, got {every!r}"
+            )
         for name, low, high in (
             ("retry_interval_s", 0.0, MAX_RETRY_INTERVAL_S),
             ("lookup_wait_s", 0.0, MAX_WAIT_S),
@@ -107,6 +144,16 @@ class ConnectorConfig:
             ("load_timeout_s", 0.001, MAX_RETRY_INTERVAL_S),
         ):
             _seconds(getattr(self, name), name, low, high)
+        heads = self.shard_heads
+        if heads is not None and (
+            isinstance(heads, bool)
+            or not isinstance(heads, int)
+            or not 1 <= heads <= MAX_SHARD_HEADS
+        ):
+            raise ConfigError(
+                f"shard_heads must be a number of head shards between 1 and {MAX_SHARD_HEADS} "
+                f"(a multiple of every TP size that shares pages), or unset; got {heads!r}"
+            )
 
     def __repr__(self) -> str:
         # Options carry credentials (a Redis password, a URL with one): a repr ends up in
@@ -120,12 +167,9 @@ class ConnectorConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"a configuration must be a table/dict, got {type(data).__name__}")
         names = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in set(data) - names)
+        unknown = set(data) - names
         if unknown:
-            raise ConfigError(
-                f"unknown configuration key(s): {', '.join(unknown)}; "
-                f"known keys: {', '.join(sorted(names))}"
-            )
+            raise unknown_names("configuration key", unknown, names)
         if "model" not in data:
             raise ConfigError("configuration needs 'model' (the weights/quantization revision)")
         return cls(**data)
@@ -158,21 +202,27 @@ class ConnectorConfig:
             data["options"] = options
         data["options"].update(env_options(env))
         names = {f.name for f in fields(cls)} - {"options"}
+        unknown = []
         for var, raw in env.items():
             if (
                 not var.startswith(ENV_PREFIX)
                 or var == ENV_CONFIG_FILE
+                or var in ENV_TOOL_VARIABLES
                 or var.startswith((ENV_TOOL_PREFIX, ENV_OPTION_PREFIX))  # options: above
             ):
                 continue
             name = var[len(ENV_PREFIX) :].lower()
             if name not in names:
-                raise ConfigError(
-                    f"unknown environment variable {var}; known: "
-                    + ", ".join(sorted(ENV_PREFIX + n.upper() for n in names))
-                    + f", {ENV_OPTION_PREFIX}<NAME>, {ENV_CONFIG_FILE}"
-                )
+                unknown.append(var)
+                continue
             data[name] = parse_literal(raw) if name in _NUMERIC else raw
+        if unknown:
+            known = [ENV_PREFIX + n.upper() for n in names]
+            raise unknown_names(
+                "environment variable",
+                unknown,
+                [*known, f"{ENV_OPTION_PREFIX}<NAME>", ENV_CONFIG_FILE],
+            )
         return cls.from_dict(data)
 
     def with_options(self, **options: Any) -> ConnectorConfig:
@@ -182,7 +232,10 @@ class ConnectorConfig:
 def _size(value: object, name: str) -> int:
     """A byte count given as an int or as text such as ``"256MiB"``."""
     if isinstance(value, str):  # "256MiB", from a file or the environment
-        size = parse_size(value)
+        try:
+            size = parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
         if size is None:
             raise ConfigError(f"{name} must be a size like 268435456 or '256MiB', got {value!r}")
         value = size
@@ -205,7 +258,31 @@ def _seconds(value: object, name: str, low: float, high: float) -> None:
         )
 
 
-def _utf8_text(value: object, what: str) -> object:
+def unknown_names(
+    kind: str,
+    unknown: Iterable[object],
+    known: Iterable[object],
+    *,
+    where: str = "",
+    note: str = "",
+) -> ConfigError:
+    """The one wording of "this names something nobody reads", and what is read instead.
+
+    ``unknown configuration key(s): writer_polcy; known: backend, checksum, …`` — the
+    same whether the name came from a dict, a file, the environment or an engine's
+    settings, so that a reader (or a log search) recognises it anywhere. ``where``
+    prefixes the source (a file path), ``note`` follows in parentheses.
+    """
+    text = (
+        f"unknown {kind}(s): {', '.join(sorted(map(str, unknown)))}; "
+        f"known: {', '.join(sorted(map(str, known))) or 'none'}"
+    )
+    if note:
+        text += f" ({note})"
+    return ConfigError(f"{where}: {text}" if where else text)
+
+
+def typed_text(value: object, what: str) -> object:
     """``value`` with surrogate escapes turned back into the UTF-8 text that was typed.
 
     Under a C locale, argv and the environment arrive with non-ASCII bytes as surrogate
@@ -286,14 +363,21 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int | None:
-    """``"268435456"``, ``"256MiB"``, ``"256mb"``, ``"1g"`` → bytes, or ``None``.
+    """``"268435456"``, ``"256MiB"``, ``"1.5GiB"``, ``"1g"`` → bytes, or ``None``.
 
     Units are binary whatever the spelling, as Mooncake reads them (``"4gb"`` is 4 GiB),
     so a size copied from a Mooncake config keeps its value. Exact for any length of
-    digits (no float overflow); the caller bounds the result.
+    digits (no float overflow); the caller bounds the result. A size that comes to a
+    fraction of a byte (``"1.5"``, ``"0.3KiB"``) is a :class:`ConfigError`: rounding it
+    silently would turn ``"1.5"``, likely meant as GiB, into one byte.
     """
     match = _SIZE.match(text)
     if match is None:
         return None
     number, unit = Decimal(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+    size = number * 1024 ** "_kmgt".index(unit) if unit else number
+    if size != size.to_integral_value():
+        raise ConfigError(
+            f"{text.strip()!r} is {size.normalize():f} bytes, not a whole number of bytes"
+        )
+    return int(size)

@@ -15,7 +15,10 @@ It applies DESIGN.md's rules, each owned by its own module and orchestrated here
 * backend errors become misses and dropped saves, counted and logged, never exceptions
   into the serving loop (rule 6; :mod:`kvconn.calls`);
 * the first save that reaches the store also puts the layout manifest of every page kind
-  (:mod:`kvconn.manifests`).
+  (:mod:`kvconn.manifests`);
+* over a TP group, the ranks that hold the same page compare their bytes at the first
+  save and on a sample of saves; a page kind whose holders differ is keyed per rank from
+  then on (:mod:`kvconn.replica_check`).
 
 ``save`` and ``load`` run on the caller's thread. :class:`kvconn.transfer.TransferService`
 runs the same steps in the background and reports per-block outcomes through handles:
@@ -27,31 +30,49 @@ Threads: one connector may be called from several threads at once (SGLang asks
 buffer; counters and back-off change under locks; calls to a backend that does not
 declare ``Capabilities.thread_safe`` are serialized (:mod:`kvconn.calls`).
 ``register_pools`` and ``close`` are not meant to race with transfers.
+
+TP group (optional): a connector given the engine's TP ranks as a ``torch.distributed``
+process group (``group=``) compares, now and then, the bytes of pages several ranks hold
+(``verify_replicas_every``; :mod:`kvconn.replica_check`), and with ``stripe_reads``
+reads each such page once per group and passes it to the other ranks over the group
+(:mod:`kvconn.striped_load`); striped loads then report the same blocks loaded and
+failed on every rank. Checks (at saves) and striped loads are collective: every rank
+must make the same saves and loads in the same order (engines do: the scheduler's
+metadata names them), one at a time. Building such a connector is collective too: the
+ranks check, once, that they agree on the layout and the chunking of loads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
+from kvconn.group import TpGroup
+from kvconn.layout import NO_SLOT
 from kvconn.lookup import Lookup, PageKeys, check_hashes
 from kvconn.manifests import ManifestWriter
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
-from kvconn.repair import PageRepair
+from kvconn.repair import PageRepair, Verdict, check
+from kvconn.replica_check import Probe, ReplicaCheck
 from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_outcomes
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
+from kvconn.striped_load import Gate, StripedLoad, Take
+
+log = logging.getLogger("kvconn")
 
 __all__ = [
     "CapturedPages",
@@ -62,12 +83,6 @@ __all__ = [
     "SaveResult",
     "Slots",
 ]
-
-#: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
-Take = Callable[[int], tuple[torch.Tensor, memoryview]]
-#: Entered with a chunk's block count just before its bytes are scattered into slots;
-#: yields whether they may be (a cancelled asynchronous load writes nothing more).
-Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ class CapturedPages:
     values: list[memoryview]
     owned: set[int]  # blocks with at least one page this rank writes
     ready: Callable[[], None] = lambda: None  # waits until the gather has finished
+    captured: Callable[[], bool] = lambda: True  # whether it has, without waiting
 
 
 class Connector:
@@ -101,6 +117,10 @@ class Connector:
     Without pools it still answers :meth:`lookup`, which needs only the layout's
     geometry; a scheduler that never holds KV tensors should use the torch-free
     :class:`kvconn.lookup.Lookup` instead.
+
+    ``group``: the engine's TP ranks as a ``torch.distributed`` process group (kvconn's
+    own, ranks in TP-rank order; gloo, or NCCL for pools on the GPU) to stripe loads
+    over (module docstring); without one every rank reads every page it loads.
     """
 
     def __init__(
@@ -111,6 +131,7 @@ class Connector:
         rank: int = 0,
         pools: Sequence[torch.Tensor] | None = None,
         backend: Backend | None = None,
+        group: Any = None,
     ) -> None:
         if backend is not None and not isinstance(backend, Backend):
             raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
@@ -122,10 +143,12 @@ class Connector:
         self.shares: tuple[RankShare, ...] = self.keys.shares(rank)  # validates the rank
         self.prefix = self.keys.prefix
         self.stats = ConnectorStats()
+        # Asked once whether this connector's keys are off limits (a Redis ACL user
+        # confined to other keys): a start-up error, not a miss on every call.
         self.backend = (
             backend
             if backend is not None
-            else load_backend(self.config.backend, self.config.options)
+            else load_backend(self.config.backend, self.config.options, key_prefix=self.prefix)
         )
         self.calls = BackendCalls(
             self.backend,
@@ -136,7 +159,10 @@ class Connector:
         self.calls.check_keys(
             self.keys.key_shapes(), model=self.config.model, namespace=self.config.namespace
         )
-        self._lookup = Lookup(self.config, self.layout, keys=self.keys, calls=self.calls)
+        # Its keys change with this rank's, at replica checks, never on its own.
+        self._lookup = Lookup(
+            self.config, self.layout, keys=self.keys, calls=self.calls, follow_markers=False
+        )
         self._repair = PageRepair(self.calls)
         self._manifests = ManifestWriter(self.calls, self.keys.manifests)
         self._movers: list[PageMover] | None = None
@@ -144,8 +170,109 @@ class Connector:
         self.device = torch.device("cpu")
         self._staging = StagingPool(self.backend, pin=False, guard=self.calls.guard)
         self.closed = False
+        #: The TP group loads stripe their reads over (module docstring), or None.
+        self.group: TpGroup | None = None
+        self._striped: StripedLoad | None = None
+        if group is not None:
+            self._join(group)
+        # Pages several ranks hold are compared across them over the group now and then,
+        # and keyed per rank where they differ (kvconn.replica_check); kinds the store
+        # already marks per rank are keyed so from the start (collective with a group).
+        self._replicas = ReplicaCheck(
+            self.keys,
+            rank=rank,
+            group=self.group,
+            calls=self.calls,
+            stats=self.stats,
+            every=self.config.verify_replicas_every,
+        )
+        self._use_keys(self._replicas.start(self.keys))
         if pools is not None:
             self.register_pools(pools)
+
+    def _join(self, group: Any) -> None:
+        """Take ``group`` for striped loads, once every rank agrees on what loads are.
+
+        Collective (every rank builds its connector): the ranks compare their TP rank,
+        their page kinds and key prefix, and the chunking of a load, which must be the
+        same everywhere for the ranks to meet in each chunk's collectives.
+        """
+        tp = TpGroup(group, rank=self.rank, tp_size=self.layout.tp_size)
+        kinds = "|".join([self.prefix, *(p.fingerprint for p in self.plans)])
+        digest = int.from_bytes(hashlib.blake2b(kinds.encode(), digest_size=7).digest(), "little")
+        chunk = self._load_chunk_blocks()
+        rank_ok, digests, chunks = tp.check([int(tp.group_rank == self.rank), digest, chunk])
+        if rank_ok != (1, 1):
+            raise ConfigError(
+                "the group's ranks are not the TP ranks in order (a connector of TP rank "
+                f"{self.rank} is rank {tp.group_rank} of its group): hand kvconn a group of "
+                "exactly the TP ranks, in TP-rank order"
+            )
+        if digests[0] != digests[1]:
+            raise ConfigError(
+                "the ranks of the group have different layouts, models or namespaces; "
+                "striped loads need one configuration and layout on every rank"
+            )
+        if chunks[0] != chunks[1]:
+            raise ConfigError(
+                f"the ranks of the group chunk loads differently ({chunks[0]} to {chunks[1]} "
+                "blocks): give every rank the same staging_bytes"
+            )
+        self.group = tp
+        if self.config.stripe_reads:  # else the group serves replica checks only
+            self._striped = StripedLoad(
+                tp, self.shares, self.prefix, self.calls, self._repair, self.stats, self._sync
+            )
+
+    def _use_keys(self, keys: PageKeys) -> None:
+        """Key pages by ``keys`` from now on (page kinds fallen back to per-rank keys):
+        this rank's lookups, saves, loads and striped reads.
+
+        Called under the group's lock, so no striped load is under way; a save captured
+        under the old keys and stored later is dropped for those kinds
+        (:meth:`store_captured`), never written under the shared key it gave up."""
+        if keys is self.keys:
+            return
+        self.keys = keys
+        self.plans = keys.plans
+        self.shares = keys.shares(self.rank)
+        self._lookup.keys = keys
+        if self._striped is not None:
+            self._striped.shares = self.shares
+
+    # ------------------------------------------------------------------ replicas
+    def replica_probes(
+        self, hashes: Sequence[bytes], slots: SlotMap, writer_policy: WriterPolicy | str | None
+    ) -> list[Probe]:
+        """The replica checks a save makes, this rank's bytes copied out of the pool.
+
+        Call for every save, on every rank, in the same order (:mod:`kvconn.replica_check`);
+        run each with :meth:`check_replicas` where the group's collectives run.
+        """
+        policy = self.config.writer_policy
+        if writer_policy is not None:
+            policy = WriterPolicy.parse(writer_policy)
+        # Movers are per page this rank holds; a check copies per page kind. A shared
+        # kind is never cut finer than its shard (shard_heads), so it has one page.
+        movers = self._require_pools()
+        first: dict[int, int] = {}
+        for s, share in enumerate(self.shares):
+            first.setdefault(id(share.plan), s)
+        by_kind = [movers[first[id(plan)]] for plan in self.keys.plans]
+        return self._replicas.probes(
+            hashes, slots, by_kind, self.device, policy, self.keys.per_rank
+        )
+
+    def check_replicas(self, probe: Probe) -> None:
+        """Compare ``probe``'s pages with the other ranks' copies (collective, in order
+        with striped loads: under the group's lock). Never raises into a save."""
+        assert self.group is not None, "replica checks run over a group"
+        try:
+            with self.group.lock:
+                self._use_keys(self._replicas.check(probe, self.keys))
+                self._replicas.settle()  # markers, deletions: with the new keys in use
+        except Exception:
+            log.exception("kvconn: a replica check failed; nothing was decided")
 
     # ------------------------------------------------------------------ setup
     def register_pools(self, pools: Sequence[torch.Tensor]) -> None:
@@ -173,10 +300,16 @@ class Connector:
                 flats.append(flat_bytes(pool))
             except ValueError as exc:
                 raise LayoutError(f"pool {i}: {exc}") from None
+        group = self.group
+        if group is not None and group.device.type != "cpu" and pools[0].device != group.device:
+            raise LayoutError(
+                f"the group ({group.backend}) moves pages on {group.device}, "
+                f"the pools are on {pools[0].device}"
+            )
         self.device = pools[0].device
         self.pools = list(pools)
         self._movers = [
-            PageMover(share.plan.regions, flats, self.layout.group(share.plan.group).num_slots)
+            PageMover(share.regions, flats, self.layout.group(share.plan.group).num_slots)
             for share in self.shares
         ]
         # CUDA pools need pinned staging; nothing is allocated until the first transfer
@@ -220,7 +353,10 @@ class Connector:
         rank then writes every page it holds that is not stored yet.
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
-        pages = self.owned_pages(hashes, writer_policy)
+        # Before the store: a kind found different is stored per rank by this very save.
+        for probe in self.replica_probes(hashes, slots_, writer_policy):
+            self.check_replicas(probe)
+        pages = self.owned_pages(hashes, slots_, writer_policy)
         if not pages:
             return SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes))
         try:
@@ -240,16 +376,24 @@ class Connector:
         return self._settle(len(hashes), pages, present, todo, ok_by_key)
 
     def owned_pages(
-        self, hashes: Sequence[bytes], writer_policy: WriterPolicy | str | None = None
+        self,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        writer_policy: WriterPolicy | str | None = None,
     ) -> list[_Page]:
-        """The pages of ``hashes`` this rank writes under the policy, page kind by kind."""
+        """The pages of ``hashes`` this rank writes under the policy, page kind by kind.
+
+        A group's ``NO_SLOT`` for a block (no slot: outside a sliding window) stores
+        nothing of that group for it.
+        """
         policy = self.config.writer_policy
         if writer_policy is not None:
             policy = WriterPolicy.parse(writer_policy)
         pages: list[_Page] = []
         for s, share in enumerate(self.shares):
+            slots_of = slots[share.plan.group].tolist()
             for b, h in enumerate(hashes):
-                if writes(share, h, policy):
+                if slots_of[b] != NO_SLOT and writes(share, h, policy):
                     pages.append(_Page(s, b, share_key(self.prefix, share, h)))
         return pages
 
@@ -269,13 +413,14 @@ class Connector:
         event it records (the transfer service does this).
         """
         values = self._gather(pages, slots, buffer, view, sync=False)
-        ready: Callable[[], None] = lambda: None  # noqa: E731
+        owned = {p.block for p in pages}
+        captured = CapturedPages(len(block_hashes), list(pages), values, owned)
         if self.device.type == "cuda":
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self.device))
-            ready = event.synchronize
-        owned = {p.block for p in pages}
-        return CapturedPages(len(block_hashes), list(pages), values, owned, ready)
+            captured.ready = event.synchronize
+            captured.captured = event.query
+        return captured
 
     def store_captured(self, batch: Sequence[CapturedPages]) -> list[SaveResult]:
         """Store captured saves together: one ``exists`` and one ``put`` for all of them.
@@ -294,6 +439,13 @@ class Connector:
         except Unavailable:
             return [self._give_up(c.blocks, c.pages) for c in batch]
         todo = _first_missing(pages, present)
+        if self.keys.per_rank:
+            # A page captured under a shared key its kind has since given up (a replica
+            # check found its ranks' bytes different) is dropped, not stored.
+            shares = self.shares
+            for key, i in list(todo.items()):
+                if f"/{shares[pages[i].share].plan.fingerprint}/" not in key:
+                    del todo[key]
         chosen = list(todo.values())
         ok = self._put_values([pages[i] for i in chosen], [values[i] for i in chosen])
         ok_by_key = dict(zip(todo, ok))
@@ -479,9 +631,10 @@ class Connector:
         are no longer needed. ``gate`` is entered before bytes are scattered into slots:
         a load cancelled meanwhile (the engine gave up on it) writes nothing more.
         """
+        if self._striped is not None and not _has_no_slot(slots):
+            return self._load_striped(self._striped, hashes, slots, take, gate, done)
         movers = self._require_pools()
-        per_block = sum(sh.plan.value_size for sh in self.shares)
-        chunk = self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
+        chunk = self._load_chunk_blocks()
         loaded = 0
         for start in range(0, len(hashes), chunk):
             stop = min(start + chunk, len(hashes))
@@ -493,16 +646,61 @@ class Connector:
             loaded += good
             if start + good < stop:
                 break
-        failed = tuple(range(loaded, len(hashes)))
+        return self._loaded(loaded, len(hashes))
+
+    def _loaded(self, loaded: int, blocks: int) -> LoadResult:
+        failed = tuple(range(loaded, blocks))
         if failed:
             for share in self.shares:
                 self.stats.add("failed", share.plan, len(failed))
         return LoadResult(loaded, failed)
 
+    def _load_striped(
+        self,
+        striped: StripedLoad,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        take: Take | None,
+        gate: Gate | None,
+        done: Callable[[], None] | None,
+    ) -> LoadResult:
+        """:meth:`load_into` over the group: chunk by chunk, all ranks in step.
+
+        Every rank runs the same chunks, and stops after the same one: the first whose
+        agreed good prefix is short (a cancelled load makes its next agreement short).
+        """
+        movers = self._require_pools()
+        chunk = self._load_chunk_blocks()
+        loaded = 0
+        with striped.group.lock:
+            for start in range(0, len(hashes), chunk):
+                stop = min(start + chunk, len(hashes))
+                try:
+                    good = striped.chunk(
+                        hashes, start, stop, slots, movers, take, gate, self.device
+                    )
+                finally:
+                    if done is not None:
+                        done()
+                loaded += good
+                if start + good < stop:
+                    break
+        return self._loaded(loaded, len(hashes))
+
+    def decline_load(self, hashes: Sequence[bytes], slots: SlotMap) -> LoadResult:
+        """Fail a load this rank cannot run (no staging before its deadline, closing).
+
+        Over a group, the rank still joins the load's first agreement, having read
+        nothing, so every other rank fails it too instead of waiting for this one.
+        """
+        if self._striped is not None and hashes:
+            return self._load_striped(self._striped, hashes, slots, None, None, None)
+        return self._loaded(0, len(hashes))
+
     def load_bytes(self, blocks: int) -> int:
         """Staging one chunk of a load of ``blocks`` blocks takes at most."""
         per_block = sum(sh.plan.value_size for sh in self.shares)
-        chunk = min(blocks, self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares)))
+        chunk = min(blocks, self._load_chunk_blocks())
         return _STAGING_ALIGN * len(self.shares) + chunk * per_block
 
     def _load_chunk(
@@ -516,49 +714,134 @@ class Connector:
         gate: Gate | None,
     ) -> int:
         n = stop - start
+        # Per page kind, the blocks of the chunk (0..n-1) it has a slot for: a group
+        # without a slot for a block (NO_SLOT) neither reads nor needs that page.
+        wanted: list[list[int]] = []
+        for share in self.shares:
+            slots_of = slots[share.plan.group][start:stop].tolist()
+            wanted.append([i for i, slot in enumerate(slots_of) if slot != NO_SLOT])
+        keys = [
+            share_key(self.prefix, share, hashes[start + i])
+            for share, blocks in zip(self.shares, wanted)
+            for i in blocks
+        ]
+        if not keys:
+            return n
+        if self.backend.capabilities.borrowed_reads and self.device.type == "cpu":
+            return self._load_borrowed(start, n, wanted, keys, slots, movers, gate)
         # Each page kind starts on an aligned boundary, so its pages can be read as the
         # pool's words in place (an odd page size would otherwise misalign the next).
         # A value is a row: the page, then its checksum.
         offsets: list[int] = []
         total = 0
-        for share in self.shares:
+        for share, blocks in zip(self.shares, wanted):
             offsets.append(total)
-            total = _aligned(total + n * share.plan.value_size)
+            total = _aligned(total + len(blocks) * share.plan.value_size)
         buffer, view = take(total)
-        keys: list[str] = []
         buffers: list[memoryview] = []
-        for share, offset in zip(self.shares, offsets):
+        for share, offset, blocks in zip(self.shares, offsets, wanted):
             row = share.plan.value_size
-            for i in range(n):
-                keys.append(share_key(self.prefix, share, hashes[start + i]))
-                buffers.append(view[offset + i * row : offset + (i + 1) * row])
+            buffers.extend(
+                view[offset + k * row : offset + (k + 1) * row] for k in range(len(blocks))
+            )
         # Scratch: staging pages of keys that fail are never scattered (below).
         try:
-            arrived = self.calls.call(
-                "get", lambda: self.backend.get(self.calls.vetted(keys), buffers, scratch=True)
+            statuses = self.calls.call(
+                "get", lambda: self.backend.read(self.calls.vetted(keys), buffers, scratch=True)
             )
         except Unavailable:
             return 0
-        ok = self._repair.usable(self.shares, keys, buffers, arrived, n)
-        good = n
-        for s in range(len(self.shares)):
-            flags = ok[s * n : (s + 1) * n]
-            good = min(good, next((i for i, f in enumerate(flags) if not f), n))
+        self._count_read(statuses, wanted)
+        ok = self._repair.usable(self.shares, keys, buffers, statuses, [len(b) for b in wanted])
+        good = _good_prefix(ok, wanted, n)
         if good == 0:
             return 0
         with gate(good) if gate is not None else contextlib.nullcontext(True) as allowed:
             if not allowed:
                 return 0
-            for s, share in enumerate(self.shares):
+            for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+                count = sum(1 for i in blocks if i < good)  # blocks ascend: a prefix of rows
+                if count == 0:
+                    continue
                 size, row = share.plan.page_size, share.plan.value_size
-                rows = buffer[offsets[s] : offsets[s] + good * row].view(good, row)
+                rows = buffer[offsets[s] : offsets[s] + count * row].view(count, row)
                 if rows.device != self.device:  # whole rows: one contiguous host-to-device copy
                     rows = rows.to(self.device, non_blocking=True)
-                index = slots[share.plan.group][start : start + good]
+                chunk_slots = slots[share.plan.group][start:stop]
+                index = chunk_slots[torch.tensor(blocks[:count], dtype=torch.long)]
                 movers[s].scatter(index.to(self.device), rows[:, :size])
-                self.stats.add("loaded", share.plan, good)
+                self.stats.add("loaded", share.plan, count)
             self._sync()
         return good
+
+    def _load_borrowed(
+        self,
+        start: int,
+        n: int,
+        wanted: Sequence[Sequence[int]],
+        keys: Sequence[str],
+        slots: SlotMap,
+        movers: Sequence[PageMover],
+        gate: Gate | None,
+    ) -> int:
+        """:meth:`_load_chunk` from values the store lends where it holds them.
+
+        The checksum is verified on the lent bytes and the good prefix is scattered
+        straight from them into the slots: one copy of each page instead of three passes
+        (copy into staging, verify, scatter). The store is repaired after the loan ends,
+        since a delete may need what the loan holds (LMDB: a remap waits for readers).
+        """
+        sizes = [
+            share.plan.value_size for share, blocks in zip(self.shares, wanted) for _ in blocks
+        ]
+        counts = [len(blocks) for blocks in wanted]
+        empty = memoryview(b"")
+
+        def borrowed() -> tuple[Verdict, int]:
+            with self.backend.borrow(self.calls.vetted(keys)) as views:
+                statuses = [
+                    ReadStatus.MISSING
+                    if view is None
+                    else ReadStatus.LOADED
+                    if view.nbytes == size
+                    else ReadStatus.WRONG_SIZE
+                    for view, size in zip(views, sizes)
+                ]
+                pages: list[memoryview] = [
+                    v if v is not None and s is ReadStatus.LOADED else empty
+                    for v, s in zip(views, statuses)
+                ]
+                self._count_read(statuses, wanted)
+                verdict = check(self.shares, keys, pages, statuses, counts)
+                good = _good_prefix(verdict.usable, wanted, n)
+                if good:
+                    with gate(good) if gate is not None else contextlib.nullcontext(True) as ok:
+                        if not ok:
+                            return verdict, 0
+                        pos = 0
+                        for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+                            count = sum(1 for i in blocks if i < good)
+                            chunk_slots = slots[share.plan.group][start : start + n].tolist()
+                            index = [chunk_slots[i] for i in blocks[:count]]
+                            movers[s].scatter_pages(index, pages[pos : pos + count])
+                            pos += len(blocks)
+                            self.stats.add("loaded", share.plan, count)
+                return verdict, good
+
+        try:
+            verdict, good = self.calls.call("get", borrowed)
+        except Unavailable:
+            return 0
+        self._repair.settle(verdict)
+        return good
+
+    def _count_read(self, statuses: Sequence[ReadStatus], wanted: Sequence[Sequence[int]]) -> None:
+        """Count the pages this rank read from the store (``store_read``)."""
+        pos = 0
+        for share, blocks in zip(self.shares, wanted):
+            here = statuses[pos : pos + len(blocks)]
+            pos += len(blocks)
+            self.stats.add("store_read", share.plan, sum(s is ReadStatus.LOADED for s in here))
 
     # ------------------------------------------------------------------ helpers
     def check_transfer(
@@ -571,6 +854,11 @@ class Connector:
         slots_ = slot_map(self.layout, slots, hashes)
         self._require_pools()
         return hashes, slots_
+
+    def _load_chunk_blocks(self) -> int:
+        """Blocks per chunk of a load: every rank of a group chunks alike (``_join``)."""
+        per_block = sum(sh.plan.value_size for sh in self.shares)
+        return self.chunk_blocks(per_block, padding=_STAGING_ALIGN * len(self.shares))
 
     def chunk_blocks(self, bytes_per_block: int, padding: int = 0) -> int:
         """Blocks per chunk so that a chunk (plus ``padding``) fits ``staging_bytes``."""
@@ -585,6 +873,29 @@ class Connector:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+
+def _has_no_slot(slots: SlotMap) -> bool:
+    """Whether a group holds no slot for some block (a sliding window's null blocks).
+
+    Such a load is read by every rank for itself, not striped: the slots are the same on
+    every rank (the engine's metadata), so every rank of a group decides alike.
+    """
+    return any(bool((t == NO_SLOT).any()) for t in slots.values())
+
+
+def _good_prefix(usable: Sequence[bool], wanted: Sequence[Sequence[int]], n: int) -> int:
+    """Blocks of a chunk before the first page any kind needed and did not get whole.
+
+    ``usable`` holds each kind's pages in turn, one per block in ``wanted[kind]``.
+    """
+    good = n
+    pos = 0
+    for blocks in wanted:
+        flags = usable[pos : pos + len(blocks)]
+        pos += len(blocks)
+        good = min(good, next((blocks[k] for k, ok in enumerate(flags) if not ok), n))
+    return good
 
 
 def _kinds(pages: Sequence[_Page]) -> list[tuple[int, int]]:

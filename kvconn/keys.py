@@ -12,6 +12,10 @@ kind, whose value describes in JSON what the fingerprint hashes (roles, dtypes, 
 so a tool that only sees keys can tell which roles a page holds. The two forms never
 collide: a manifest key has five segments and ``_layout`` in the shard position, where
 a page key has six and ``replicated`` or ``w<N>r<i>``.
+
+Per-rank markers: ``{namespace}/{model}/_per_rank/lg{group}/{fingerprint}``, one per page
+kind whose ranks were found holding different bytes where they should hold the same
+(:mod:`kvconn.replicas`); five segments, ``_per_rank`` in the shard position.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from kvconn.errors import ConfigError
 REPLICATED = "replicated"
 #: The segment, in the shard position, that marks a layout manifest key.
 LAYOUT = "_layout"
+#: The segment, in the shard position, that marks a per-rank marker (kvconn.replicas).
+PER_RANK = "_per_rank"
 
 
 def shard_component(num_shards: int | None, shard_index: int = 0) -> str:
@@ -41,6 +47,20 @@ def shard_component(num_shards: int | None, shard_index: int = 0) -> str:
     return f"w{num_shards}r{shard_index}"
 
 
+#: Characters of a name that stay as they are in a key; every other one is %-escaped.
+_NAME_SAFE = "-_.~:@+="
+
+
+def unprintable(text: str) -> str | None:
+    """The first control or invisible character of ``text`` (NUL, newline, U+00A0 …), or None.
+
+    Such a character in a name is a mistake (a C string's terminator, a pasted line
+    break) that would otherwise become a key nobody else computes, or a label that
+    breaks the line of a log or a report.
+    """
+    return next((c for c in text if not c.isprintable()), None)
+
+
 def key_part(text: str, what: str) -> str:
     """Escape a user-supplied name so it stays one path segment of ASCII.
 
@@ -49,7 +69,24 @@ def key_part(text: str, what: str) -> str:
     """
     if not isinstance(text, str) or not text:
         raise ConfigError(f"{what} must be a non-empty string, got {text!r}")
-    return quote(text, safe="-_.~:@+=")
+    bad = unprintable(text)
+    if bad is not None:
+        raise ConfigError(
+            f"{what} {text!r:.80} contains the control or invisible character "
+            f"{bad!r} (U+{ord(bad):04X}); names must be printable text"
+        )
+    return quote(text, safe=_NAME_SAFE)
+
+
+def spell_prefix(text: str) -> str:
+    """A key prefix typed by a person, spelt the way keys spell names.
+
+    ``--prefix kvconn/modèle`` must find the keys of model ``modèle``, which are
+    ``kvconn/mod%C3%A8le/…``: every character :func:`key_part` escapes is escaped the
+    same way here, except ``/`` (it separates the parts) and ``%`` (a prefix copied
+    from a key, escapes included, stays as it is).
+    """
+    return quote(text, safe=_NAME_SAFE + "/%")
 
 
 def key_prefix(namespace: str, model: str) -> str:
@@ -68,6 +105,16 @@ def manifest_prefix(prefix: str) -> str:
 def manifest_key(prefix: str, group: int, fingerprint: str) -> str:
     """The key of the manifest of the page kind ``fingerprint`` in layer group ``group``."""
     return f"{manifest_prefix(prefix)}lg{group}/{fingerprint}"
+
+
+def per_rank_key(prefix: str, group: int, fingerprint: str) -> str:
+    """The marker of a page kind whose ranks were found holding different bytes.
+
+    ``fingerprint`` is the kind's own (shared) fingerprint. While the marker exists, every
+    process that honours it keys that kind per rank (:mod:`kvconn.replicas`). Five
+    segments with ``_per_rank`` in the shard position: never a page nor a manifest key.
+    """
+    return f"{prefix}{PER_RANK}/lg{group}/{fingerprint}"
 
 
 # ---------------------------------------------------------------- parsing

@@ -11,6 +11,7 @@ rank's pages, which the group-wide hit rule needs.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvconn.errors import LayoutError
+from kvconn.keys import unprintable
 
 if TYPE_CHECKING:  # layouts are plain data: only from_tensor reads tensors, by duck typing
     import torch
@@ -76,14 +78,19 @@ class Role:
             raise LayoutError(f"role name {self.name!r} must be lower-case letters, digits and '_'")
         if isinstance(self.units, bool) or not isinstance(self.units, int) or self.units < 1:
             raise LayoutError(f"role {self.name!r}: units must be an int >= 1, got {self.units!r}")
+        # The dtype is hashed into keys and written into layout manifests, which tools
+        # print: a control character (a NUL from a C string) would make a key nobody
+        # else computes and a manifest that garbles a report.
         if (
             not isinstance(self.dtype, str)
             or not self.dtype
-            or any(c.isspace() or c in "/|" for c in self.dtype)
+            or not self.dtype.isascii()
+            or not self.dtype.isprintable()
+            or any(c in " /|" for c in self.dtype)
         ):
             raise LayoutError(
-                f"role {self.name!r}: dtype {self.dtype!r} must be non-empty, "
-                "without spaces, '/' or '|'"
+                f"role {self.name!r}: dtype {self.dtype!r} must be non-empty printable "
+                "ASCII without spaces, '/' or '|' (like 'bf16' or 'fp8_e4m3+scale')"
             )
 
     @property
@@ -115,11 +122,42 @@ def _positive_int(value: object, what: str, where: str, *, allow_zero: bool = Fa
 
 
 @dataclass(frozen=True)
+class UnitLayout:
+    """How one slot of a region splits by the role's units (KV heads): its ``size`` bytes
+    are ``[outer][units][inner]``.
+
+    ``units`` is how many of the role's units this rank's region holds; ``inner`` the
+    contiguous bytes of one unit at one ``outer`` index. vLLM's CPU cache, a slot
+    ``[heads, block_size, 2 * head_dim]``, is ``outer = 1`` (each head's bytes are
+    contiguous); a token-major slot ``[block_size, heads, head_dim]`` is ``outer =
+    block_size``. Pages cut at a finer head granularity than the rank's own
+    (``shard_heads``) need it: it is what says which bytes of a slot belong to which
+    heads. The bytes of a subset of the units are, canonically, ``[outer][subset][inner]``.
+    """
+
+    units: int
+    inner: int
+    outer: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("units", "inner", "outer"):
+            _positive_int(getattr(self, name), name, "unit layout")
+
+    @property
+    def size(self) -> int:
+        """Bytes of one slot the layout describes."""
+        return self.outer * self.units * self.inner
+
+
+@dataclass(frozen=True)
 class Region:
     """A strided byte range of a pool: slot ``i`` is ``base + i*stride`` for ``size`` bytes.
 
     ``base`` is a byte offset from the start of pool number ``pool``, not an absolute
     address, so descriptions survive re-allocation and can be compared across ranks.
+
+    ``unit_layout`` (optional) says how a slot's bytes split by the role's units; only
+    pages cut finer than the rank's own shard (``shard_heads``) need it.
     """
 
     role: str
@@ -129,6 +167,7 @@ class Region:
     stride: int
     num_slots: int
     pool: int = 0
+    unit_layout: UnitLayout | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str):
@@ -145,6 +184,58 @@ class Region:
                 f"{where}: stride {self.stride} is smaller than size {self.size}, "
                 "so consecutive slots of the region overlap"
             )
+        units = self.unit_layout
+        if units is not None:
+            if not isinstance(units, UnitLayout):
+                raise LayoutError(f"{where}: unit_layout must be a UnitLayout, got {units!r:.80}")
+            if units.size != self.size:
+                raise LayoutError(
+                    f"{where}: its unit layout [outer {units.outer}][units {units.units}]"
+                    f"[inner {units.inner}] is {units.size} bytes, the region's slot {self.size}"
+                )
+
+    def part(self, parts: int, index: int) -> tuple[Region, ...]:
+        """The regions holding the ``index``-th of ``parts`` equal runs of this region's
+        units, in the canonical order ``[outer][units of the part][inner]``.
+
+        One region when each unit's bytes are contiguous (``outer == 1``), else one per
+        outer index (:func:`kvconn.movement.compile_runs` folds them into one run). So
+        the part of a region holding several heads is byte for byte the region of a rank
+        that holds only those heads: pages cut at a head granularity finer than the
+        rank's own are the same pages whichever TP size cut them.
+        """
+        if parts == 1 and index == 0:
+            return (self,)
+        where = self.label
+        units = self.unit_layout
+        if units is None:
+            raise LayoutError(
+                f"{where}: splitting it into {parts} pages needs its unit layout (which "
+                "bytes of a slot hold which heads); the engine adapter must describe it "
+                "(Region.unit_layout)"
+            )
+        if parts < 1 or not 0 <= index < parts or units.units % parts:
+            raise LayoutError(
+                f"{where}: its {units.units} units cannot be cut into {parts} equal parts "
+                f"(part {index} asked)"
+            )
+        per_part = units.units // parts
+        size = per_part * units.inner
+        first = self.base + index * size
+        piece = UnitLayout(per_part, units.inner)
+        return tuple(
+            Region(
+                self.role,
+                self.layer,
+                first + o * units.units * units.inner,
+                size,
+                self.stride,
+                self.num_slots,
+                self.pool,
+                piece,
+            )
+            for o in range(units.outer)
+        )
 
     @property
     def label(self) -> str:
@@ -157,12 +248,21 @@ class Region:
 
     @classmethod
     def from_tensor(
-        cls, role: str, layer: int, view: torch.Tensor, pool: torch.Tensor, pool_index: int = 0
+        cls,
+        role: str,
+        layer: int,
+        view: torch.Tensor,
+        pool: torch.Tensor,
+        pool_index: int = 0,
+        unit_dim: int | None = None,
     ) -> Region:
         """Describe ``view`` (slots along dim 0) as a region of ``pool``.
 
         Each slot's bytes must be contiguous; that is what makes a page a plain byte
-        concatenation that any backend can store.
+        concatenation that any backend can store. ``unit_dim`` names the dimension of
+        ``view`` that indexes the role's units (KV heads), from which the region's
+        :class:`UnitLayout` follows: e.g. ``1`` for ``[slots, heads, block_size, dim]``,
+        ``2`` for ``[slots, block_size, heads, dim]``.
         """
         where = f"region {role}@layer{layer}"
         for name, tensor in (("view", view), ("pool", pool)):
@@ -170,16 +270,38 @@ class Region:
                 raise LayoutError(f"{where}: {name} must be a torch.Tensor, got {tensor!r:.80}")
         if view.dim() < 1:
             raise LayoutError(f"{where}: the tensor needs a slot dimension (dim 0)")
+        if view.numel() == 0:
+            # Checked first: an empty view has no byte to place inside the pool, and
+            # "does not lie inside the pool" would send the reader looking elsewhere.
+            raise LayoutError(
+                f"{where}: the tensor is empty (shape {tuple(view.shape)}); a region "
+                "needs at least one slot of at least one byte"
+            )
         if view.device != pool.device:
             raise LayoutError(f"{where}: tensor is on {view.device}, its pool on {pool.device}")
-        if view.shape[0] > 0 and not view[0].is_contiguous():
+        if not view[0].is_contiguous():
             raise LayoutError(f"{where}: the bytes of one slot are not contiguous")
         elsize = view.element_size()
         offset = view.data_ptr() - pool.data_ptr()
         pool_bytes = pool.numel() * pool.element_size()
         if offset < 0 or offset >= pool_bytes:
             raise LayoutError(f"{where}: the tensor does not lie inside pool {pool_index}")
-        size = (view[0].numel() if view.shape[0] > 0 else 0) * elsize
+        size = view[0].numel() * elsize
+        units = None
+        if unit_dim is not None:
+            if isinstance(unit_dim, bool) or not isinstance(unit_dim, int):
+                raise LayoutError(f"{where}: unit_dim must be a dimension index, got {unit_dim!r}")
+            if not 1 <= unit_dim < view.dim():
+                raise LayoutError(
+                    f"{where}: unit_dim {unit_dim} is not a dimension after the slot "
+                    f"dimension of a tensor of shape {tuple(view.shape)}"
+                )
+            shape = tuple(view.shape)
+            units = UnitLayout(
+                units=shape[unit_dim],
+                inner=math.prod(shape[unit_dim + 1 :]) * elsize,
+                outer=math.prod(shape[1:unit_dim]),
+            )
         return cls(
             role=role,
             layer=layer,
@@ -188,7 +310,14 @@ class Region:
             stride=view.stride(0) * elsize,
             num_slots=view.shape[0],
             pool=pool_index,
+            unit_layout=units,
         )
+
+
+#: A slot argument of ``save`` / ``load`` meaning "this layer group has no slot for this
+#: block" (vLLM's null block, outside a sliding window): that page is neither saved nor
+#: loaded, and a load does not count it against the block.
+NO_SLOT = -1
 
 
 @dataclass(frozen=True)
@@ -197,18 +326,34 @@ class LayerGroup:
 
     The order of ``regions`` is the declared page order: a page is the concatenation of
     the rank's regions of one shard class in exactly this order.
+
+    ``window`` is for sliding-window layers: a reader that resumes after ``N`` blocks
+    needs this group's pages only for the last ``window`` of them, blocks
+    ``[max(0, N - window), N)``, because the layers never attend further back. ``None``
+    (full attention) needs every block. It changes which pages a hit needs, not what a
+    page holds, so it is not part of any key: a windowed reader and a full one share
+    pages.
     """
 
     index: int
     num_slots: int
     regions: tuple[Region, ...]
     name: str = ""
+    window: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.index, "index", "layer group", allow_zero=True)
         if not isinstance(self.name, str):
             raise LayoutError(f"layer group {self.index}: name must be a string, got {self.name!r}")
+        if unprintable(self.name) is not None:
+            # the name is in every error about the group, and travels in to_dict()
+            raise LayoutError(
+                f"layer group {self.index}: name {self.name!r} must be printable text, "
+                "without control or invisible characters"
+            )
         where = self.label
+        if self.window is not None:
+            _positive_int(self.window, "window (blocks, or None)", where)
         object.__setattr__(self, "regions", _items(self.regions, "regions", where))
         _positive_int(self.num_slots, "num_slots", where)
         if not self.regions:
@@ -280,6 +425,16 @@ class KvLayout:
                         f"{group.label}, {region.label}: pool {region.pool} does not exist "
                         f"(the layout declares {len(self.pool_sizes)} pools)"
                     )
+                units = region.unit_layout
+                if units is not None:
+                    role = by_name[region.role]
+                    local = role.units // shard_position(0, self.tp_size, role.units).num_shards
+                    if units.units != local:
+                        raise LayoutError(
+                            f"{group.label}, {region.label}: its unit layout holds "
+                            f"{units.units} units, but role {role.name!r} ({role.units} "
+                            f"units at TP={self.tp_size}) puts {local} on each rank"
+                        )
                 if region.end > self.pool_sizes[region.pool]:
                     raise LayoutError(
                         f"{group.label}, {region.label}: slots out of bounds: its last slot "
@@ -308,7 +463,8 @@ class KvLayout:
                     "index": g.index,
                     "num_slots": g.num_slots,
                     "name": g.name,
-                    "regions": [_record(r) for r in g.regions],
+                    "window": g.window,
+                    "regions": [_region_record(r) for r in g.regions],
                 }
                 for g in self.groups
             ],
@@ -336,12 +492,12 @@ class KvLayout:
         for i, raw in enumerate(_list_of(doc["groups"], "layout.groups")):
             g = _fields_of(raw, f"layout.groups[{i}]", _GROUP_FIELDS)
             regions = tuple(
-                Region(**_fields_of(r, f"layout.groups[{i}].regions[{j}]", _REGION_FIELDS))
+                _region_from(r, f"layout.groups[{i}].regions[{j}]")
                 for j, r in enumerate(_list_of(g["regions"], f"layout.groups[{i}].regions"))
             )
             if not isinstance(g["name"], str):
                 raise LayoutError(f"layout.groups[{i}]: name must be a string, got {g['name']!r}")
-            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"]))
+            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"], g["window"]))
         return cls(
             tp_size=doc["tp_size"],
             tokens_per_block=doc["tokens_per_block"],
@@ -357,16 +513,34 @@ class KvLayout:
         raise KeyError(index)
 
 
-#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other.
-LAYOUT_DICT_VERSION = 1
+#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other. Version 2
+#: added each group's ``window``, version 3 each region's ``unit_layout``.
+LAYOUT_DICT_VERSION = 3
 _ROLE_FIELDS = ("name", "units", "dtype")
-_REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool")
-_GROUP_FIELDS = ("index", "num_slots", "name", "regions")
+_REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool", "unit_layout")
+_UNIT_FIELDS = ("units", "inner", "outer")
+_GROUP_FIELDS = ("index", "num_slots", "name", "window", "regions")
 _LAYOUT_FIELDS = ("version", "tp_size", "tokens_per_block", "roles", "groups", "pool_sizes")
 
 
-def _record(item: Role | Region) -> dict[str, Any]:
+def _record(item: Role | Region | UnitLayout) -> dict[str, Any]:
     return {f.name: getattr(item, f.name) for f in fields(item)}
+
+
+def _region_record(region: Region) -> dict[str, Any]:
+    record = _record(region)
+    if region.unit_layout is not None:
+        record["unit_layout"] = _record(region.unit_layout)
+    return record
+
+
+def _region_from(data: object, where: str) -> Region:
+    doc = _fields_of(data, where, _REGION_FIELDS)
+    if doc["unit_layout"] is not None:
+        doc["unit_layout"] = UnitLayout(
+            **_fields_of(doc["unit_layout"], f"{where}.unit_layout", _UNIT_FIELDS)
+        )
+    return Region(**doc)
 
 
 def _fields_of(data: object, where: str, names: Sequence[str]) -> dict[str, Any]:

@@ -31,18 +31,20 @@ from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ArgumentError, ConfigError, ConnectorClosed, LayoutError
 from kvconn.hashing import DIGEST_SIZE
-from kvconn.keys import key_prefix, manifest_key, page_key
+from kvconn.keys import key_prefix, manifest_key, page_key, per_rank_key
 from kvconn.layout import KvLayout, shard_position
 from kvconn.plan import (
     PagePlan,
     RankShare,
     count_prefix_hit,
     lookup_keys,
+    lookup_windows,
     plan_pages,
     rank_shares,
     share_key,
 )
 from kvconn.registry import load_backend
+from kvconn.replicas import SharedKind, per_rank_plan, per_rank_share, shared_kinds
 from kvconn.results import LookupResult
 from kvconn.stats import ConnectorStats
 
@@ -56,9 +58,19 @@ class PageKeys:
 
     Pure: any process that builds it from the same configuration and layout (the
     scheduler, every rank, another instance) derives the same keys without talking.
+
+    ``per_rank``: indices of page kinds several ranks hold that are keyed per rank
+    instead, because their holders were found holding different bytes
+    (:mod:`kvconn.replicas`); :meth:`with_per_rank` derives such a planner.
     """
 
-    def __init__(self, config: ConnectorConfig | Mapping[str, Any], layout: KvLayout) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig | Mapping[str, Any],
+        layout: KvLayout,
+        *,
+        per_rank: Iterable[int] = (),
+    ) -> None:
         if not isinstance(config, ConnectorConfig):
             config = ConnectorConfig.from_dict(config)
         if not isinstance(layout, KvLayout):
@@ -66,13 +78,38 @@ class PageKeys:
         self.config = config
         self.layout = layout
         self.prefix = key_prefix(config.namespace, config.model)
-        self.plans: tuple[PagePlan, ...] = plan_pages(layout, config.checksum)
-        #: One layout manifest per page kind (two plans never share a group and
+        #: The page kinds as planned, shared pages under shared keys.
+        self.planned: tuple[PagePlan, ...] = plan_pages(layout, config.checksum, config.shard_heads)
+        #: The kinds several ranks hold (``dup > 1``): what replica checks compare.
+        self.shared: tuple[SharedKind, ...] = shared_kinds(layout.tp_size, self.planned)
+        #: Each shared kind's marker key (:func:`kvconn.keys.per_rank_key`), by index.
+        self.markers: dict[int, str] = {
+            k.index: per_rank_key(self.prefix, k.plan.group, k.plan.fingerprint)
+            for k in self.shared
+        }
+        self.per_rank = frozenset(per_rank)
+        if not self.per_rank <= set(self.markers):
+            raise ValueError(
+                f"only page kinds several ranks hold can be keyed per rank: "
+                f"{sorted(self.per_rank - set(self.markers))} are not"
+            )
+        #: The page kinds as keyed now: a kind in ``per_rank`` by its per-rank plan.
+        self.plans: tuple[PagePlan, ...] = tuple(
+            per_rank_plan(p, layout.tp_size) if i in self.per_rank else p
+            for i, p in enumerate(self.planned)
+        )
+        #: One layout manifest per planned page kind (two plans never share a group and
         #: fingerprint: the fingerprint hashes the class), key -> JSON value.
         self.manifests: dict[str, bytes] = {
             manifest_key(self.prefix, p.group, p.fingerprint): p.manifest.to_json()
-            for p in self.plans
+            for p in self.planned
         }
+        #: Each lookup key's window, in :meth:`block_keys` order (None: every block).
+        self.windows = lookup_windows(self.plans)
+
+    def with_per_rank(self, kinds: Iterable[int]) -> PageKeys:
+        """This planner with the shared kinds ``kinds`` keyed per rank as well."""
+        return PageKeys(self.config, self.layout, per_rank=self.per_rank | set(kinds))
 
     def block_keys(self, block_hash: bytes) -> list[str]:
         """Keys of every page any rank loads for this block: what a lookup checks."""
@@ -83,18 +120,28 @@ class PageKeys:
         return lookup_keys(self.prefix, self.plans, check_hashes(block_hashes))
 
     def shares(self, rank: int) -> tuple[RankShare, ...]:
-        """Per page kind, the shard ``rank`` loads and its replica position for writing."""
+        """Per page ``rank`` holds of a block (one per page kind, or ``shard_heads /
+        num_shards`` of a kind cut finer than its shard), the shard it loads and its
+        replica position for writing."""
         shard_position(rank, self.layout.tp_size, 1)  # validates rank against tp_size
-        return rank_shares(self.layout, self.plans, rank)
+        shares: list[RankShare] = []
+        for i, plan in enumerate(self.plans):
+            if i in self.per_rank:
+                shares.append(per_rank_share(plan, rank))
+            else:  # ``parts`` pages of a kind cut finer than the rank's shard
+                shares.extend(rank_shares(self.layout, (plan,), rank))
+        return tuple(shares)
 
     def rank_keys(self, rank: int, block_hash: bytes) -> list[str]:
-        """Keys of the pages ``rank`` loads for this block, page kinds in plan order."""
+        """Keys of the pages ``rank`` loads for this block, in :meth:`shares` order."""
         digest = _digest(block_hash)
         return [share_key(self.prefix, share, digest) for share in self.shares(rank)]
 
     def hit(self, per_block_present: Sequence[Sequence[bool]]) -> int:
-        """Blocks of the longest prefix whose every page is present (DESIGN rule 3)."""
-        return count_prefix_hit(per_block_present)
+        """The hit in blocks from what a lookup found (DESIGN rule 3): the largest N whose
+        every needed page is present, a sliding-window group's pages needed only inside
+        the window that ends at N (``LayerGroup.window``)."""
+        return count_prefix_hit(per_block_present, self.windows)
 
     def key_shapes(self) -> list[str]:
         """The longest key of every shape made here, for a backend's length check."""
@@ -109,7 +156,19 @@ class PageKeys:
             )
             for plan in self.plans
         ]
-        return [*pages, *self.manifests]
+        # what a fall-back to per-rank keys would make (kvconn.replicas), checked now too
+        tp = self.layout.tp_size
+        per_rank = [
+            page_key(
+                self.prefix,
+                plan.shard_class.component(tp - 1),
+                plan.group,
+                plan.fingerprint,
+                longest_hash,
+            )
+            for plan in (per_rank_plan(k.plan, tp) for k in self.shared)
+        ]
+        return [*pages, *self.manifests, *per_rank, *self.markers.values()]
 
 
 class Lookup:
@@ -117,6 +176,13 @@ class Lookup:
 
     Shares a :class:`BackendCalls` (back-off, serialization) with the connector that
     built it, or owns a backend of its own when built alone (a scheduler process).
+
+    ``follow_markers`` (a scheduler's lookup): every lookup also asks for the per-rank
+    markers of the shared page kinds it still keys shared (one key per kind, in the same
+    ``exists``). A marker found means the ranks key that kind per rank now
+    (:mod:`kvconn.replicas`): the lookup switches to the per-rank keys for good and asks
+    again, so its hits are the pages the ranks will load. A connector's own lookup does
+    not follow markers: its keys change with its ranks', at their checks.
     """
 
     def __init__(
@@ -127,6 +193,7 @@ class Lookup:
         backend: Backend | None = None,
         keys: PageKeys | None = None,
         calls: BackendCalls | None = None,
+        follow_markers: bool = True,
     ) -> None:
         self.keys = keys if keys is not None else PageKeys(config, layout)
         self.config = self.keys.config
@@ -135,7 +202,9 @@ class Lookup:
             if backend is not None and not isinstance(backend, Backend):
                 raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
             if backend is None:
-                backend = load_backend(self.config.backend, self.config.options)
+                backend = load_backend(
+                    self.config.backend, self.config.options, key_prefix=self.keys.prefix
+                )
             calls = BackendCalls(
                 backend,
                 name=self.config.backend,
@@ -151,6 +220,7 @@ class Lookup:
         self.calls = calls
         self.stats = calls.stats
         self.closed = False
+        self.follow_markers = follow_markers
 
     @property
     def backend(self) -> Backend:
@@ -164,15 +234,31 @@ class Lookup:
         self.stats.bump("lookups")
         if not hashes:
             return LookupResult(0, 0)
-        per_block = lookup_keys(self.keys.prefix, self.keys.plans, hashes)
-        flat = [k for keys in per_block for k in keys]
-        try:
-            present = self.calls.exists(flat)
-        except Unavailable:
-            self.stats.bump("lookup_errors")
-            return LookupResult(0, 0, available=False)
+        while True:  # twice at most per marker: markers only add per-rank kinds
+            keys = self.keys
+            watched = (
+                [(i, k) for i, k in keys.markers.items() if i not in keys.per_rank]
+                if self.follow_markers
+                else []
+            )
+            per_block = lookup_keys(keys.prefix, keys.plans, hashes)
+            flat = [k for block in per_block for k in block]
+            try:
+                present = self.calls.exists([*flat, *(k for _, k in watched)])
+            except Unavailable:
+                self.stats.bump("lookup_errors")
+                return LookupResult(0, 0, available=False)
+            marked = [i for (i, _), there in zip(watched, present[len(flat) :]) if there]
+            if not marked:
+                break
+            self.keys = keys.with_per_rank(marked)
+            log.warning(
+                "kvconn: page kind(s) %s are kept per rank (their ranks were found holding "
+                "different bytes); lookups ask for per-rank pages from now on",
+                ", ".join(keys.planned[i].label for i in sorted(marked)),
+            )
         it = iter(present)
-        blocks = count_prefix_hit([[next(it) for _ in keys] for keys in per_block])
+        blocks = keys.hit([[next(it) for _ in block] for block in per_block])
         return LookupResult(blocks, blocks * self.layout.tokens_per_block)
 
     def close(self) -> None:

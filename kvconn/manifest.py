@@ -14,9 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvconn.errors import KvconnError
+from kvconn.errors import KvconnError, LayoutError
 from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
 from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
+from kvconn.layout import Role
 
 
 class ManifestError(KvconnError, ValueError):
@@ -168,10 +169,12 @@ class PageManifest:
             spec = roles_doc[name]
             if not isinstance(spec, dict) or set(spec) != _ROLE_FIELDS:
                 raise ManifestError(f"role {name!r} must have exactly {sorted(_ROLE_FIELDS)}")
-            dtype = spec["dtype"]
-            if not isinstance(dtype, str) or not dtype:
-                raise ManifestError(f"role {name!r}: dtype must be a non-empty string")
-            roles.append((name, _json_int(spec["units"], f"{name}.units", minimum=1), dtype))
+            units = _json_int(spec["units"], f"{name}.units", minimum=1)
+            try:  # what a layout could not declare, no manifest may claim (tools print it)
+                role = Role(name, units, spec["dtype"])
+            except LayoutError as exc:
+                raise ManifestError(str(exc)) from None
+            roles.append((role.name, role.units, role.dtype))
         checksum = doc["checksum"]
         if not isinstance(checksum, str) or checksum not in CHECKSUM_SCHEMES:
             raise ManifestError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvconn.layout import Region
@@ -180,6 +181,24 @@ class PageMover:
                 self._host_views[i][host_slots] = words.numpy()
             else:
                 view.index_copy_(0, slots, words)
+
+    def scatter_pages(self, slots: Sequence[int], pages: Sequence[memoryview]) -> None:
+        """Write each page (a byte view of ``page_size`` or more) into its slot, on the CPU.
+
+        For pages that are not rows of one tensor: values a store lends where it holds
+        them (``Backend.borrow``). Each run's piece of each page is one numpy assignment
+        straight from the lent memory, so the bytes are copied once; views made here do
+        not outlive the call.
+        """
+        if self._host_views is None:
+            raise ValueError("scatter_pages moves bytes into CPU pools only")
+        for i, run in enumerate(self.runs):
+            target = self._host_views[i]
+            shape = target.shape[1:]
+            for slot, page in zip(slots, pages):
+                piece = np.frombuffer(page, np.uint8, run.nbytes, run.page_offset)
+                target[slot] = piece.view(target.dtype).reshape(shape)
+                del piece  # inside the loop: a call with no page has none to drop
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

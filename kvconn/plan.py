@@ -68,35 +68,58 @@ def page_manifest(
     cls: ShardClass,
     regions: Sequence[Region],
     checksum: str = DEFAULT_CHECKSUM,
+    parts: int = 1,
 ) -> PageManifest:
     """The description of a page kind; its fingerprint and its stored manifest both derive
     from this, and nothing else.
 
     Placement in memory (base, stride, pool) is left out on purpose: it does not change
     the bytes, and engines with different allocators must still share pages.
+
+    ``parts``: pages per block a rank cuts its ``regions`` into (``shard_heads``). Each
+    region counts once, with its share of the bytes, however many pieces of memory that
+    share is made of: so a page of one head shard has the same manifest, hence the same
+    key, whether a rank holding just those heads wrote it or a rank holding more.
     """
     names = sorted({r.role for r in regions})
     return PageManifest(
         tokens_per_block=layout.tokens_per_block,
         shard_class=cls.label,
         roles=tuple((n, layout.role(n).units, layout.role(n).dtype) for n in names),
-        regions=tuple((r.layer, r.role, r.size) for r in regions),
+        regions=tuple((r.layer, r.role, r.size // parts) for r in regions),
         checksum=PageChecksum(checksum).name,
     )
 
 
 @dataclass(frozen=True)
 class PagePlan:
-    """One kind of page: a layer group's regions of one shard class, in declared order."""
+    """One kind of page: a layer group's regions of one shard class, in declared order.
+
+    A rank holds ``parts`` pages of the kind per block: one, unless ``shard_heads`` cuts
+    pages finer than the rank's own shard, when each page holds an equal run of the
+    regions' units (``part_regions``).
+    """
 
     group: int
     shard_class: ShardClass
-    regions: tuple[Region, ...]
-    page_size: int  # payload bytes; a stored value is ``value_size``
+    regions: tuple[Region, ...]  # the rank's whole regions of the class
+    page_size: int  # payload bytes of one page; a stored value is ``value_size``
     fingerprint: str
     role_bytes: tuple[tuple[str, int], ...]  # bytes of each role in one page
     manifest: PageManifest  # what the fingerprint hashes; stored as the layout manifest
     checksum: PageChecksum  # the trailer after each stored page
+    #: Per page the rank holds of this kind in a block, the strided regions it is made
+    #: of, in page order (:meth:`Region.part`); ``(regions,)`` when pages are the rank's
+    #: own shard.
+    part_regions: tuple[tuple[Region, ...], ...]
+    #: The group's window in blocks (``LayerGroup.window``): which blocks a hit needs
+    #: this page kind for. Not in the fingerprint: it does not change a page's bytes.
+    window: int | None = None
+
+    @property
+    def parts(self) -> int:
+        """Pages of this kind a rank holds per block."""
+        return len(self.part_regions)
 
     @property
     def value_size(self) -> int:
@@ -108,12 +131,20 @@ class PagePlan:
         return f"lg{self.group}/{self.shard_class.label}"
 
 
-def plan_pages(layout: KvLayout, checksum: str = DEFAULT_CHECKSUM) -> tuple[PagePlan, ...]:
+def plan_pages(
+    layout: KvLayout, checksum: str = DEFAULT_CHECKSUM, shard_heads: int | None = None
+) -> tuple[PagePlan, ...]:
     """Every page kind of the layout, groups in declared order, replicated class last.
 
     ``checksum`` names the trailer stored after each page (:mod:`kvconn.integrity`); it
     is part of every fingerprint, so it must be the same wherever keys are made (the
     scheduler's lookup and every rank).
+
+    ``shard_heads`` (``G``): every head-sharded page is cut at ``G`` shards of its
+    role's units, ``w<G>r<j>``, whatever the TP size, so that TP sizes dividing ``G``
+    share pages (:func:`shard_parts` says what is refused). ``None``: each TP size cuts
+    pages at its own shard, ``w<min(tp, units)>r<i>``. The replicated class is the same
+    either way.
     """
     scheme = PageChecksum(checksum)
     plans: list[PagePlan] = []
@@ -123,16 +154,20 @@ def plan_pages(layout: KvLayout, checksum: str = DEFAULT_CHECKSUM) -> tuple[Page
             role = layout.role(region.role)
             if role.replicated:
                 cls = ShardClass(None)
+            elif shard_heads is not None:
+                shard_parts(layout, role.name, shard_heads)  # refuses a G that cannot work
+                cls = ShardClass(shard_heads)
             else:
                 cls = ShardClass(shard_position(0, layout.tp_size, role.units).num_shards)
             classes.setdefault(cls, []).append(region)
         ordered = sorted(classes, key=lambda c: (c.replicated, c.num_shards or 0))
         for cls in ordered:
             regions = classes[cls]
+            parts = 1 if cls.replicated else shard_parts(layout, regions[0].role, cls.shard_count)
             role_bytes: dict[str, int] = {}
             for r in regions:
-                role_bytes[r.role] = role_bytes.get(r.role, 0) + r.size
-            manifest = page_manifest(layout, cls, regions, scheme.name)
+                role_bytes[r.role] = role_bytes.get(r.role, 0) + r.size // parts
+            manifest = page_manifest(layout, cls, regions, scheme.name, parts)
             plans.append(
                 PagePlan(
                     group=group.index,
@@ -143,28 +178,77 @@ def plan_pages(layout: KvLayout, checksum: str = DEFAULT_CHECKSUM) -> tuple[Page
                     role_bytes=tuple(role_bytes.items()),
                     manifest=manifest,
                     checksum=scheme,
+                    part_regions=tuple(
+                        tuple(piece for r in regions for piece in r.part(parts, k))
+                        for k in range(parts)
+                    ),
+                    window=group.window,
                 )
             )
     return tuple(plans)
 
 
+def shard_parts(layout: KvLayout, role_name: str, shards: int) -> int:
+    """Pages per block a rank holds of a role cut at ``shards`` shards of its units.
+
+    ``shards`` must divide the role's units (a page holds whole heads) and be a multiple
+    of the rank's own shard count, ``min(tp_size, units)`` (a page's heads lie on one
+    rank): anything else is a :class:`ConfigError` naming both numbers.
+    """
+    role = layout.role(role_name)
+    own = shard_position(0, layout.tp_size, role.units).num_shards
+    if role.units % shards:
+        raise ConfigError(
+            f"shard_heads={shards} does not divide role {role.name!r}'s {role.units} units "
+            "(KV heads): a page holds whole heads; choose a divisor of every sharded role's "
+            "units"
+        )
+    if shards % own:
+        raise ConfigError(
+            f"shard_heads={shards} is not a multiple of TP={layout.tp_size}'s {own} shards "
+            f"of role {role.name!r} ({role.units} units): a TP size that shares pages cut "
+            f"at {shards} shards must divide {shards}"
+        )
+    return shards // own
+
+
 @dataclass(frozen=True)
 class RankShare:
-    """A rank's relation to one page kind: which shard it holds, among how many copies."""
+    """A rank's relation to one page: which shard it holds, among how many copies.
+
+    ``shard_index`` is the page's shard (``r<j>`` of its key). A rank holds ``parts``
+    consecutive shards of a kind cut finer than its own shard (``shard_heads``); ``part``
+    says which of them this is.
+    """
 
     plan: PagePlan
     shard_index: int
     replica_index: int
     dup: int
+    part: int = 0
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        """The strided regions this page is gathered from and scattered to."""
+        return self.plan.part_regions[self.part]
+
+    @property
+    def rank_shard(self) -> int:
+        """The TP shard whose ``dup`` replicas (ranks ``rank_shard * dup`` on) hold it."""
+        return self.shard_index // self.plan.parts
 
 
 def rank_shares(layout: KvLayout, plans: Sequence[PagePlan], rank: int) -> tuple[RankShare, ...]:
-    """Per page kind, the shard this rank loads and its replica position for writing."""
+    """Per page this rank holds of a block, the shard it loads and its replica position
+    for writing: one per page kind, or ``parts`` consecutive ones of a kind cut finer
+    than the rank's shard."""
     shares = []
     for plan in plans:
         units = 1 if plan.shard_class.replicated else layout.role(plan.regions[0].role).units
         pos = shard_position(rank, layout.tp_size, units)
-        shares.append(RankShare(plan, pos.shard_index, pos.replica_index, pos.dup))
+        for part in range(plan.parts):
+            j = pos.shard_index * plan.parts + part
+            shares.append(RankShare(plan, j, pos.replica_index, pos.dup, part))
     return tuple(shares)
 
 
@@ -205,14 +289,53 @@ def lookup_keys(
     return per_block
 
 
-def count_prefix_hit(per_block_present: Sequence[Sequence[bool]]) -> int:
-    """Length of the longest prefix of blocks whose every page is present (rule 3)."""
-    hit = 0
-    for present in per_block_present:
-        if not all(present):
-            break
-        hit += 1
-    return hit
+def lookup_windows(plans: Sequence[PagePlan]) -> list[int | None]:
+    """The window (in blocks, or ``None``) of each key :func:`lookup_keys` lists for one
+    block, in the same order: what :func:`count_prefix_hit` needs to apply windows."""
+    return [p.window for p in plans for _ in range(p.shard_class.shard_count)]
+
+
+def count_prefix_hit(
+    per_block_present: Sequence[Sequence[bool]],
+    windows: Sequence[int | None] | None = None,
+) -> int:
+    """The hit in blocks: the largest ``N`` whose every needed page is present (rule 3).
+
+    ``per_block_present[i][j]`` says whether page ``j`` of block ``i`` is stored (the
+    pages of a block in :func:`lookup_keys` order); ``windows[j]`` is page ``j``'s window
+    (:func:`lookup_windows`). A page without a window is needed for every block
+    ``[0, N)``; one with window ``W`` only for ``[max(0, N - W), N)``, so a sliding-window
+    group's evicted early pages do not shorten the hit. Without windows this is the
+    longest prefix of blocks whose every page is present.
+
+    With windows the answer is not a prefix property: ``N`` may be a hit while ``N - 1``
+    is not (a missing windowed page that ``N``'s window has left behind), as in vLLM's
+    own sliding-window cache hit, hence the scan over every ``N``.
+    """
+    if windows is None:
+        hit = 0
+        for present in per_block_present:
+            if not all(present):
+                break
+            hit += 1
+        return hit
+    if any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
+    ):
+        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
+    last_missing = [-1] * len(windows)  # per page: the last block before N without it
+    best = 0
+    for n, present in enumerate(per_block_present, start=1):
+        if len(present) != len(windows):
+            raise ValueError(f"block {n - 1} has {len(present)} pages, windows name {len(windows)}")
+        for j, there in enumerate(present):
+            if not there:
+                last_missing[j] = n - 1
+        if any(last_missing[j] >= 0 for j, w in enumerate(windows) if w is None):
+            break  # a full page is missing: no longer prefix can be a hit either
+        if all(last_missing[j] < max(0, n - w) for j, w in enumerate(windows) if w is not None):
+            best = n
+    return best
 
 
 def share_key(prefix: str, share: RankShare, block_hash: bytes) -> str:

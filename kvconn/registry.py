@@ -13,7 +13,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from kvconn.backend import Backend
-from kvconn.config import check_options
+from kvconn.config import check_options, unknown_names
 from kvconn.errors import BackendDependencyMissing, BackendNotFound, ConfigError, KvconnError
 from kvconn.redaction import redact_url
 
@@ -122,11 +122,17 @@ def accepted_options(cls: type[Backend]) -> tuple[list[str], bool]:
     return accepted, takes_any
 
 
-def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend:
+def load_backend(
+    name: str, options: Mapping[str, Any] | None = None, *, key_prefix: str | None = None
+) -> Backend:
     """Instantiate backend ``name`` with ``options`` as keyword arguments.
 
     Options are checked against the constructor's signature first, so a typo fails with
-    the list of accepted options instead of a bare ``TypeError``.
+    the list of accepted options instead of a bare ``TypeError``. With ``key_prefix``
+    (what every key the caller makes starts with: ``kvconn.keys.key_prefix(namespace,
+    model)``) the new backend is asked whether those keys are off limits
+    (:meth:`Backend.check_access`), so a user a store confines to other keys is refused
+    now, not on every call.
     """
     cls = backend_class(name)
     options = check_options(options if options is not None else {}, f"backend {name!r}: options")
@@ -136,12 +142,9 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
     accepted, takes_any = accepted_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown and not takes_any:
-        raise ConfigError(
-            f"backend {name!r}: unknown option(s) {', '.join(unknown)}; "
-            f"accepted: {', '.join(accepted) or 'none'}"
-        )
+        raise unknown_names("option", unknown, accepted, where=f"backend {name!r}")
     try:
-        return cls(**options)
+        backend = cls(**options)
     except KvconnError:
         raise  # the backend's own message, which names the option
     except (TypeError, ValueError, OverflowError) as exc:
@@ -150,3 +153,10 @@ def load_backend(name: str, options: Mapping[str, Any] | None = None) -> Backend
         raise ConfigError(
             f"backend {name!r}: bad options ({type(exc).__name__}): {redact_url(str(exc))}"
         ) from None
+    if key_prefix is not None:
+        try:
+            backend.check_access(key_prefix)
+        except BaseException:
+            backend.close()
+            raise
+    return backend

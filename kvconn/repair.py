@@ -16,7 +16,9 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
+from kvconn.backend import ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.plan import PagePlan, RankShare
 
@@ -36,38 +38,48 @@ class PageRepair:
         shares: Sequence[RankShare],
         keys: Sequence[str],
         buffers: Sequence[memoryview],
-        arrived: Sequence[bool],
-        n: int,
+        statuses: Sequence[ReadStatus],
+        counts: Sequence[int],
     ) -> list[bool]:
-        """Per page of a get (``n`` per page kind, kinds in ``shares`` order), whether it
-        arrived whole and verified.
+        """Per page of a read (``counts[s]`` pages of kind ``s``, kinds in ``shares``
+        order), whether it arrived whole and verified; the store is repaired for the
+        pages that did not.
 
         Every page that arrived is verified, also after the first failure: a bad page
         found now is repaired now, before the save that follows the engine's recompute
-        would skip it as already stored.
+        would skip it as already stored. A page the backend could not reach is a miss
+        and stays stored: it is not the page's fault.
         """
-        usable = list(arrived)
-        damaged: dict[str, PagePlan] = {}
-        unread: dict[str, PagePlan] = {}
-        for s, share in enumerate(shares):
-            here = range(s * n, (s + 1) * n)
-            got = [i for i in here if arrived[i]]
-            checks = share.plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
-            for i, verified in zip(got, checks):
-                if not verified:
-                    usable[i] = False
-                    damaged[keys[i]] = share.plan
-            unread.update((keys[i], share.plan) for i in here if not arrived[i])
-        if damaged or unread:
-            self.repair(damaged, unread)
-        return usable
+        plans = [share.plan for share, count in zip(shares, counts) for _ in range(count)]
+        return self.usable_pages(plans, keys, buffers, statuses)
+
+    def usable_pages(
+        self,
+        plans: Sequence[PagePlan],
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        statuses: Sequence[ReadStatus],
+    ) -> list[bool]:
+        """:meth:`usable` for pages of any kinds in any order: ``plans[i]`` is page
+        ``i``'s kind (a striped read takes a different number of pages of each kind)."""
+        verdict = check_pages(plans, keys, buffers, statuses)
+        self.settle(verdict)
+        return verdict.usable
+
+    def settle(self, verdict: Verdict) -> None:
+        """Count what a :func:`check` found and repair the store (backend calls)."""
+        for plan, count in verdict.unreachable.items():
+            self.calls.stats.add("unreachable", plan, count)
+        if verdict.damaged or verdict.unread:
+            self.repair(dict(verdict.damaged), verdict.unread)
 
     def repair(self, damaged: dict[str, PagePlan], unread: Mapping[str, PagePlan]) -> None:
         """Delete stored pages that cannot be loaded, so the next save rewrites them.
 
-        ``damaged`` pages arrived with a wrong checksum. ``unread`` ones did not arrive:
-        those still stored are unreadable (a value of the wrong size), the others were
-        evicted since the lookup, which is no fault of theirs. A backend error while
+        ``damaged`` pages arrived with a wrong checksum or are stored with the wrong size.
+        ``unread`` ones did not arrive and the backend could not say why: those still
+        stored are taken as unreadable, the others were evicted since the lookup, which
+        is no fault of theirs. A backend error while
         asking or deleting is a backend error (counted, backed off), never corruption.
         Without ``Capabilities.delete`` the pages are counted and logged, and fail until
         the store drops them: a put never overwrites.
@@ -114,3 +126,57 @@ class PageRepair:
             keys[0],
             what,
         )
+
+
+@dataclass
+class Verdict:
+    """What verifying one read found, before anything is counted or repaired."""
+
+    usable: list[bool]
+    damaged: dict[str, PagePlan] = field(default_factory=dict)  # wrong checksum or size
+    unread: dict[str, PagePlan] = field(default_factory=dict)  # failed, reason unknown
+    unreachable: dict[PagePlan, int] = field(default_factory=dict)
+
+
+def check(
+    shares: Sequence[RankShare],
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    statuses: Sequence[ReadStatus],
+    counts: Sequence[int],
+) -> Verdict:
+    """Verify the pages of a read (``counts[s]`` pages of kind ``s``, kinds in ``shares``
+    order). Pure (no backend call), so it can run while a backend lends the bytes
+    (``Backend.borrow``) and the repair after the loan ends."""
+    plans = [share.plan for share, count in zip(shares, counts) for _ in range(count)]
+    return check_pages(plans, keys, buffers, statuses)
+
+
+def check_pages(
+    plans: Sequence[PagePlan],
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    statuses: Sequence[ReadStatus],
+) -> Verdict:
+    """:func:`check` for pages of any kinds in any order: ``plans[i]`` is page ``i``'s."""
+    verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
+    usable = verdict.usable
+    # by identity: hashing a plan hashes all of its regions, once per page
+    arrived: dict[int, tuple[PagePlan, list[int]]] = {}
+    for i, plan in enumerate(plans):
+        if usable[i]:
+            arrived.setdefault(id(plan), (plan, []))[1].append(i)
+    for plan, got in arrived.values():
+        checks = plan.checksum.verify([buffers[i] for i in got], [keys[i] for i in got])
+        for i, verified in zip(got, checks):
+            if not verified:
+                usable[i] = False
+                verdict.damaged[keys[i]] = plan
+    for i, (plan, status) in enumerate(zip(plans, statuses)):
+        if status is ReadStatus.WRONG_SIZE:
+            verdict.damaged[keys[i]] = plan
+        elif status is ReadStatus.FAILED:
+            verdict.unread[keys[i]] = plan
+        elif status is ReadStatus.UNREACHABLE:
+            verdict.unreachable[plan] = verdict.unreachable.get(plan, 0) + 1
+    return verdict

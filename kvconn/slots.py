@@ -4,7 +4,9 @@ Slots are refused before anything is read or written: a count other than one slo
 block, a slot outside its group, and one slot named for two different blocks -- a load
 would leave only the last of them in it while reporting both loaded, and a save would
 store that slot's bytes under both blocks' keys. (The same block twice in one slot is
-harmless and allowed.)
+harmless and allowed.) ``NO_SLOT`` (-1) is allowed any number of times: the group has no
+slot for that block (vLLM's null block outside a sliding window), so its page is neither
+saved nor loaded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvconn.errors import ArgumentError
-from kvconn.layout import KvLayout
+from kvconn.layout import NO_SLOT, KvLayout
 
 #: What callers pass: one sequence for every layer group, or one per group.
 Slots = Sequence[int] | torch.Tensor | Mapping[int, Sequence[int] | torch.Tensor]
@@ -44,9 +46,10 @@ def slot_map(layout: KvLayout, slots: Slots, hashes: Sequence[bytes]) -> SlotMap
             converted[id(seq)] = _slot_list(seq, g, hashes)
         t, values = converted[id(seq)]
         num_slots = layout.group(g).num_slots
-        if values and (min(values) < 0 or max(values) >= num_slots):
+        if values and (min(values) < NO_SLOT or max(values) >= num_slots):
             raise ArgumentError(
-                f"layer group {g}: slot out of range [0, {num_slots}): {values[:8]}"
+                f"layer group {g}: slot out of range [0, {num_slots}) "
+                f"(or NO_SLOT, {NO_SLOT}): {values[:8]}"
             )
         out[g] = t
     return out
@@ -86,7 +89,7 @@ def _slot_list(seq: object, g: int, hashes: Sequence[bytes]) -> tuple[torch.Tens
     if len(set(values)) < n:
         owner: dict[int, bytes] = {}
         for i, (slot, h) in enumerate(zip(values, hashes)):
-            if owner.setdefault(slot, h) != h:
+            if slot != NO_SLOT and owner.setdefault(slot, h) != h:
                 raise ArgumentError(
                     f"layer group {g}: slot {slot} is given for two different blocks "
                     f"(block {values.index(slot)} and block {i}); each block needs its own slot"

@@ -17,9 +17,26 @@ from kvconn.plan import PagePlan
 #: load that did not complete; dropped: a save given up (backend down or put refused);
 #: corrupt: a stored page found bad on load (its checksum failed, or it is stored but
 #: could not be read: a value of the wrong size); repaired: a corrupt page this rank
-#: deleted, so that the next lookup misses it and the next save rewrites it. Bytes are
+#: deleted, so that the next lookup misses it and the next save rewrites it;
+#: unreachable: a stored page whose bytes the backend could not fetch right now (its
+#: holder died), a miss that is kept, not repaired; store_read: a page a load got from
+#: the store (whole, before its checksum was checked); group_received / group_sent: a
+#: verified page a striped load got from / gave to another rank of the TP group
+#: (:mod:`kvconn.stripe`), instead of every rank reading it from the store. Bytes are
 #: payload bytes (``page_size``); checksum trailers are not counted.
-EVENTS = ("written", "skipped", "loaded", "failed", "dropped", "corrupt", "repaired")
+EVENTS = (
+    "written",
+    "skipped",
+    "loaded",
+    "failed",
+    "dropped",
+    "corrupt",
+    "repaired",
+    "unreachable",
+    "store_read",
+    "group_received",
+    "group_sent",
+)
 
 
 @dataclass
@@ -39,6 +56,18 @@ class ConnectorStats:
         self.lookup_errors = 0
         #: Asynchronous saves dropped because in-flight staging was at its ceiling.
         self.staging_full = 0
+        #: Striped loads whose ranks were not loading the same blocks (an engine that
+        #: skipped a load on some rank): failed on every rank, nothing exchanged; and
+        #: replica checks whose ranks were not comparing the same blocks.
+        self.group_mismatches = 0
+        #: Pages several ranks hold whose copies a replica check compared and found
+        #: identical on every holder (kvconn.replicas)...
+        self.replicas_verified = 0
+        #: ...and found different: their page kind is keyed per rank from then on.
+        self.replica_mismatch = 0
+        #: Page kinds keyed per rank (``lg0/replicated``…): found different here, or
+        #: marked so in the store by another instance.
+        self.per_rank: tuple[str, ...] = ()
 
     def add(self, event: str, plan: PagePlan, pages: int) -> None:
         if pages <= 0:
@@ -55,12 +84,21 @@ class ConnectorStats:
                 r.pages += pages
                 r.bytes += pages * nbytes
 
-    def bump(self, counter: str) -> None:
-        """Add one to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
-        ``staging_full``), thread-safely."""
-        assert counter in ("lookups", "lookup_errors", "backend_errors", "staging_full"), counter
+    def bump(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
+        ``staging_full``, ``group_mismatches``, ``replicas_verified``,
+        ``replica_mismatch``), thread-safely."""
+        assert counter in (
+            "lookups",
+            "lookup_errors",
+            "backend_errors",
+            "staging_full",
+            "group_mismatches",
+            "replicas_verified",
+            "replica_mismatch",
+        ), counter
         with self._lock:
-            setattr(self, counter, getattr(self, counter) + 1)
+            setattr(self, counter, getattr(self, counter) + n)
 
     def pages(self, event: str) -> int:
         return self.total[event].pages if event in self.total else 0
@@ -88,4 +126,8 @@ class ConnectorStats:
                 "lookups": self.lookups,
                 "lookup_errors": self.lookup_errors,
                 "staging_full": self.staging_full,
+                "group_mismatches": self.group_mismatches,
+                "replicas_verified": self.replicas_verified,
+                "replica_mismatch": self.replica_mismatch,
+                "per_rank": list(self.per_rank),
             }

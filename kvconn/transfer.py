@@ -19,6 +19,15 @@ not finished ``load_timeout_s`` after it was submitted is cancelled: its handle 
 the blocks scattered so far as loaded and the rest failed, and no byte of it reaches a
 slot afterwards (the scatter and the cancel exclude each other).
 
+Over a TP group (a connector built with ``group=``, see :mod:`kvconn.striped_load`) a
+load is collective: its ranks read each shared page once and exchange it. Collectives
+must be issued in the same order on every rank, so such a service runs its loads on one
+thread, in the order they were submitted, and an engine must submit the same loads in
+the same order on every rank (engines do: the scheduler's metadata, broadcast to every
+worker, names them). A load that is cancelled, finds no staging before its deadline, or
+is still queued at :meth:`TransferService.close` still takes part in its first
+collective, having read nothing, so the other ranks fail it too instead of waiting.
+
 Memory is bounded: staging of transfers in flight lives in one :class:`~kvconn.arena.Arena`
 of ``inflight_bytes``. A save that finds no room is dropped and counted (a cache may skip
 a save); a load waits for room. A backend that fails or stalls yields failed or dropped
@@ -42,6 +51,7 @@ from kvconn.arena import Arena, Piece
 from kvconn.connector import CapturedPages, Connector
 from kvconn.errors import ConnectorClosed
 from kvconn.plan import WriterPolicy
+from kvconn.replica_check import Probe
 from kvconn.results import LoadResult, Outcome, SaveResult
 from kvconn.slots import SlotMap, Slots
 
@@ -79,6 +89,7 @@ class Transfer:
         self._on_done: Callable[[Transfer], None] | None = None
         # saves: parts still being stored, and what the finished ones reported
         self._parts = 0
+        self._captures: list[CapturedPages] = []
         self._partial: SaveResult | None = None
         # loads: blocks scattered so far, and whether the engine gave up on it
         self._loaded = 0
@@ -90,6 +101,14 @@ class Transfer:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def captured(self) -> bool:
+        """Whether the engine's blocks are no longer needed: a save's pages are all in
+        staging (on a CUDA pool, once the side-stream copies have run), or it was dropped.
+        A load needs its slots until it is :meth:`done`."""
+        if self.kind == "load":
+            return self.done()
+        return all(c.captured() for c in self._captures)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until finished; whether it has."""
@@ -167,9 +186,17 @@ class _LoadJob:
 
 
 @dataclass
+class _CheckJob:
+    """A replica check (kvconn.replica_check): collective, so it waits in the load queue,
+    in submission order with the loads."""
+
+    probe: Probe
+
+
+@dataclass
 class _Queues:
     store: collections.deque[_StoreJob] = field(default_factory=collections.deque)
-    load: collections.deque[_LoadJob] = field(default_factory=collections.deque)
+    load: collections.deque[_LoadJob | _CheckJob] = field(default_factory=collections.deque)
 
 
 class TransferService:
@@ -182,8 +209,14 @@ class TransferService:
         load_threads: int = 2,
         inflight_bytes: int | None = None,
     ) -> None:
+        """``load_threads`` is ignored over a TP group: its loads run on one thread, in
+        submission order (module docstring)."""
         if load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, got {load_threads}")
+        #: Loads run one at a time in submission order (a connector over a TP group).
+        self.ordered = connector.group is not None
+        if self.ordered:
+            load_threads = 1
         self.connector = connector
         config = connector.config
         capacity = config.inflight_bytes if inflight_bytes is None else inflight_bytes
@@ -230,12 +263,15 @@ class TransferService:
         checked = [conn.check_transfer(r.block_hashes, r.slots) for r in requests]
         transfers: list[Transfer] = []
         jobs: list[_StoreJob] = []
+        checks: list[_CheckJob] = []
         with self._capture_stream():
             for request, (hashes, slots) in zip(requests, checked):
+                probes = conn.replica_probes(hashes, slots, request.writer_policy)
+                checks.extend(_CheckJob(probe) for probe in probes)
                 transfer = Transfer("save", request.tag, len(hashes))
                 transfer._on_done = self._record
                 transfers.append(transfer)
-                pages = conn.owned_pages(hashes, request.writer_policy)
+                pages = conn.owned_pages(hashes, slots, request.writer_policy)
                 parts = list(conn.split_pages(pages))
                 if not parts:
                     transfer._finish(SaveResult(blocks=(Outcome.SKIPPED,) * len(hashes)))
@@ -251,10 +287,12 @@ class TransferService:
                         transfer._part_stored(conn.drop(len(hashes), part))
                         continue
                     captured = conn.capture(hashes, slots, part, piece.tensor, piece.view)
+                    transfer._captures.append(captured)
                     jobs.append(_StoreJob(transfer, captured, piece))
-        if jobs:
+        if jobs or checks:
             with self._cond:
                 self._queues.store.extend(jobs)
+                self._queues.load.extend(checks)
                 self._start_threads()
                 self._cond.notify_all()
         return transfers
@@ -312,8 +350,9 @@ class TransferService:
         with self._cond:
             return len(self._open)
 
-    def order_reuse(self) -> None:
-        """Order the caller's CUDA stream after every capture queued so far.
+    def order_reuse(self, stream: Any = None) -> None:
+        """Order ``stream`` (default: the caller's current CUDA stream) after every
+        capture queued so far.
 
         Captures on a CUDA pool run on a side stream; work the engine queues after this
         call (the next forward pass, which may overwrite freed blocks) waits for them on
@@ -321,7 +360,9 @@ class TransferService:
         ``save`` returns.
         """
         if self._side is not None:
-            torch.cuda.current_stream(self.connector.device).wait_stream(self._side)
+            if stream is None:
+                stream = torch.cuda.current_stream(self.connector.device)
+            stream.wait_stream(self._side)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Finish or cancel in-flight work within ``timeout_s``; whether all of it ended.
@@ -337,7 +378,8 @@ class TransferService:
                 return not any(t.is_alive() for t in self._threads)
             self._closing = True
             loads = [t for t in self._open.values() if t.kind == "load"]
-            self._queues.load.clear()
+            if not self.ordered:  # over a group, queued loads still meet the other ranks
+                self._queues.load.clear()
             self._cond.notify_all()
         for transfer in loads:
             transfer.cancel()
@@ -406,9 +448,12 @@ class TransferService:
             with self._cond:
                 while not self._queues.load and not self._closing:
                     self._cond.wait()
-                if self._closing:
+                if self._closing and not (self.ordered and self._queues.load):
                     return
                 job = self._queues.load.popleft()
+            if isinstance(job, _CheckJob):
+                self.connector.check_replicas(job.probe)
+                continue
             transfer = job.transfer
             try:
                 result = self._run_load(job)
@@ -424,6 +469,8 @@ class TransferService:
         remaining = self.load_timeout_s - (time.monotonic() - transfer.submitted)
         piece = self.arena.take(conn.load_bytes(len(job.hashes)), timeout=max(0.0, remaining))
         if piece is None:  # no room before the deadline, or closing: the blocks fail
+            if self.ordered:
+                return conn.decline_load(job.hashes, job.slots)
             return LoadResult(0, tuple(range(transfer.blocks)))
         try:
             with self._load_stream():

@@ -47,6 +47,38 @@ def test_bad_values_name_the_field(field, value, message):
         ConnectorConfig.from_dict({"model": "m", field: value})
 
 
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ("1.5", r"staging_bytes: '1.5' is 1.5 bytes, not a whole number of bytes"),
+        ("0.3KiB", r"'0.3KiB' is 307.2 bytes, not a whole number"),
+        ("1.0000000001GiB", "not a whole number of bytes"),
+    ],
+)
+def test_a_size_that_is_a_fraction_of_a_byte_is_refused_not_rounded(given, message):
+    """Issue 15: ``"1.5"`` was accepted as 1 byte."""
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_dict({"model": "m", "staging_bytes": given})
+
+
+@pytest.mark.parametrize(
+    ("given", "size"), [("1.5GiB", 3 * 2**29), ("0.5KiB", 512), ("2.0", 2), ("256MiB", 2**28)]
+)
+def test_a_size_with_a_fraction_that_comes_to_whole_bytes_is_accepted(given, size):
+    assert ConnectorConfig.from_dict({"model": "m", "staging_bytes": given}).staging_bytes == size
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model", "m\x00"), ("model", "org/model\nrev"), ("namespace", "ns\t"), ("model", "m\u00a0")],
+)
+def test_names_that_become_keys_refuse_control_and_invisible_characters(field, value):
+    """Escaped, they made keys (``m%00``) that no correctly configured process computes."""
+    config = {"model": "m", field: value}
+    with pytest.raises(ConfigError, match=f"{field} .* contains the control or invisible"):
+        ConnectorConfig.from_dict(config)
+
+
 def test_a_config_is_read_from_toml(tmp_path):
     path = tmp_path / "kvconn.toml"
     path.write_text(
@@ -78,7 +110,7 @@ def test_environment_variables_overlay_the_file_and_set_backend_options(tmp_path
 
 
 def test_an_unknown_kvconn_environment_variable_is_an_error():
-    with pytest.raises(ConfigError, match="unknown environment variable KVCONN_MODLE"):
+    with pytest.raises(ConfigError, match=r"unknown environment variable\(s\): KVCONN_MODLE"):
         ConnectorConfig.from_env({"KVCONN_MODLE": "m"})
 
 
@@ -248,6 +280,38 @@ def test_a_backend_constructor_error_is_a_config_error_with_secrets_masked(monke
     assert info.value.__cause__ is None and info.value.__suppress_context__
     with pytest.raises(ConfigError, match="options must be a table/dict, got int"):
         load_backend("picky", 5)  # type: ignore[arg-type]
+
+
+class _Confined(_StubBackend):
+    """A store whose user may only touch keys under ``allowed``."""
+
+    instances: list["_Confined"] = []
+
+    def __init__(self, allowed: str = "") -> None:
+        self.allowed = allowed
+        self.closed = False
+        _Confined.instances.append(self)
+
+    def check_access(self, key_prefix: str) -> None:
+        if not key_prefix.startswith(self.allowed):
+            raise ConfigError(f"keys under {key_prefix!r} are off limits")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_load_backend_given_the_key_prefix_refuses_a_store_that_forbids_it_and_closes_it(
+    monkeypatch,
+):
+    monkeypatch.setattr("kvconn.registry.backend_class", lambda name: _Confined)
+    with pytest.raises(ConfigError, match="keys under 'kvconn/m/' are off limits"):
+        load_backend("confined", {"allowed": "other/"}, key_prefix="kvconn/m/")
+    assert _Confined.instances[-1].closed  # no connection left open behind the error
+    load_backend("confined", {"allowed": "other/"}, key_prefix="other/m/")
+    assert not _Confined.instances[-1].closed
+    # without the prefix nothing is asked: the caller did not say which keys it uses
+    load_backend("confined", {"allowed": "other/"})
+    assert not _Confined.instances[-1].closed
 
 
 def test_names_read_under_a_c_locale_make_the_keys_a_utf_8_locale_makes():

@@ -22,7 +22,7 @@ from kvconn.errors import (
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.integrity import PageChecksum
 from kvconn.keys import LAYOUT, parse_key, parse_manifest_key
-from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.layout import NO_SLOT, KvLayout, LayerGroup, Region, Role
 from kvconn.manifest import PageManifest
 from kvconn.plan import WriterPolicy, share_key
 from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
@@ -362,6 +362,128 @@ def test_layer_groups_have_their_own_block_tables(store):
         conn.save(hashes, {0: [0, 1]})
 
 
+def sliding_layout(tp=2, window=2):
+    """A full-attention group and a sliding-window group laid over the same pool bytes,
+    each over its own pool index, as vLLM's hybrid allocator lays its groups: a slot
+    belongs to one group at a time."""
+    roles = (Role("kv", 2, "bf16"),)
+    groups = (
+        LayerGroup(0, 8, (Region("kv", 1, 0, 64, 64, 8),), "full"),
+        LayerGroup(1, 8, (Region("kv", 0, 0, 64, 64, 8, pool=1),), "sliding", window=window),
+    )
+    return KvLayout(tp, 32, roles, groups, (512, 512))
+
+
+def hybrid_pair(store, layout=None):
+    """Rank 0 and rank 1 of a TP=2 group sharing one pool tensor between both groups."""
+    layout = layout or sliding_layout()
+    config = ConnectorConfig(model="m", backend="dict", retry_interval_s=0)
+    group = []
+    for rank in range(layout.tp_size):
+        pool = torch.randint(0, 256, (512,), dtype=torch.uint8)
+        group.append(Connector(config, layout, rank=rank, pools=[pool, pool], backend=store))
+    return group
+
+
+FULL_SLOTS = [1, 2, 3, 4]
+SLIDING_SLOTS = [5, 6, 7, 0]
+
+
+def test_a_hit_with_a_sliding_group_needs_its_pages_only_inside_the_window(store):
+    group = hybrid_pair(store)
+    for conn in group:
+        conn.save(HASHES[:4], {0: FULL_SLOTS, 1: SLIDING_SLOTS})
+    assert group[0].lookup(HASHES[:4]).blocks == 4
+    for block in (0, 1):  # outside the window of a 4-block hit
+        for key in [k for k in store.data if "/lg1/" in k and k.endswith(HASHES[block].hex())]:
+            del store.data[key]
+    assert [c.lookup(HASHES[:4]).blocks for c in group] == [4, 4]
+    assert group[0].lookup(HASHES[:3]).blocks == 0  # blocks 1-2 are its window: 1 is gone
+    del store.data[next(k for k in store.data if "/lg0/" in k and k.endswith(HASHES[2].hex()))]
+    assert group[0].lookup(HASHES[:4]).blocks == 0  # full attention needs every block
+
+
+def test_a_group_with_no_slot_for_a_block_neither_saves_nor_loads_its_page(store):
+    """vLLM hands null blocks (no slot) for sliding-window blocks outside the window: a
+    load of a 4-block hit fills the window's two blocks of that group and all four of
+    the full group, and the blocks count as loaded."""
+    writer, peer = hybrid_pair(store)
+    no_slot = {0: FULL_SLOTS, 1: [NO_SLOT, NO_SLOT, 7, 0]}
+    assert writer.save(HASHES[:4], no_slot).written + peer.save(HASHES[:4], no_slot).written == (
+        4 * 2 + 2 * 2  # both ranks' shards of 4 full pages, of 2 sliding pages
+    )
+    assert sum("/lg1/" in k for k in page_values(store)) == 4
+    assert writer.lookup(HASHES[:4]).blocks == 4
+    pool = torch.zeros(512, dtype=torch.uint8)
+    reader = Connector(
+        ConnectorConfig(model="m", backend="dict"),
+        sliding_layout(),
+        pools=[pool, pool],
+        backend=store,
+    )
+    result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT, NO_SLOT, 2, 3]})
+    assert result.loaded == 4 and result.ok
+    source = writer.pools[0]
+    for src, dst in zip([1, 2, 3, 4, 7, 0], [4, 5, 6, 7, 2, 3]):
+        assert torch.equal(pool[dst * 64 : dst * 64 + 64], source[src * 64 : src * 64 + 64])
+    assert torch.count_nonzero(pool[:128]) == 0  # slots 0 and 1: no group's page went there
+    assert reader.stats.snapshot()["total"]["loaded"]["pages"] == 4 + 2
+
+
+def test_a_missing_page_outside_the_window_does_not_fail_a_load_that_does_not_ask_for_it(store):
+    writer, peer = hybrid_pair(store)
+    for conn in (writer, peer):
+        conn.save(HASHES[:3], {0: FULL_SLOTS[:3], 1: SLIDING_SLOTS[:3]})
+    for key in [k for k in store.data if "/lg1/" in k and k.endswith(HASHES[0].hex())]:
+        del store.data[key]
+    pool = torch.zeros(512, dtype=torch.uint8)
+    reader = Connector(
+        ConnectorConfig(model="m", backend="dict"),
+        sliding_layout(),
+        pools=[pool, pool],
+        backend=store,
+    )
+    assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [NO_SLOT, 2, 3]}).loaded == 3
+    # asked for it, the missing page fails its block and every later one
+    assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [1, 2, 3]}).failed == (0, 1, 2)
+
+
+def test_a_load_from_lent_values_with_no_slot_in_a_whole_group_loads_the_other_groups(
+    tmp_path,
+):
+    """A backend that lends its values (LMDB) has each page kind's pages scattered
+    straight from them; a kind with no page in the load (its group has NO_SLOT for every
+    block, as in SGLang's per-pool calls) scatters nothing: the load succeeds and the
+    backend is not taken for broken."""
+    from kvconn.registry import load_backend
+
+    lmdb = load_backend("lmdb", {"path": str(tmp_path)})
+    try:
+        writer, peer = hybrid_pair(lmdb)
+        for conn in (writer, peer):
+            conn.save(HASHES[:4], {0: FULL_SLOTS, 1: SLIDING_SLOTS})
+        pool = torch.zeros(512, dtype=torch.uint8)
+        config = ConnectorConfig(model="m", backend="lmdb", retry_interval_s=0)
+        reader = Connector(config, sliding_layout(), pools=[pool, pool], backend=lmdb)
+        assert lmdb.capabilities.borrowed_reads
+        result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT] * 4})
+        assert result.loaded == 4 and result.ok
+        for src, dst in zip(FULL_SLOTS, [4, 5, 6, 7]):
+            assert torch.equal(
+                pool[dst * 64 : dst * 64 + 64], writer.pools[0][src * 64 : src * 64 + 64]
+            )
+        assert reader.stats.backend_errors == 0
+    finally:
+        lmdb.close()
+
+
+def test_no_slot_may_repeat_but_other_negative_slots_are_refused(store):
+    conn = hybrid_pair(store)[0]
+    assert conn.save(HASHES[:3], {0: [1, 2, 3], 1: [NO_SLOT, NO_SLOT, NO_SLOT]}).written == 3
+    with pytest.raises(ArgumentError, match=r"slot out of range \[0, 8\) \(or NO_SLOT, -1\)"):
+        conn.load(HASHES[:2], {0: [1, 2], 1: [-2, 3]})
+
+
 def test_bad_requests_fail_with_clear_errors_and_store_nothing(store):
     layout = minimax_m3(tp_size=8)
     conn = tp_group(layout, store)[0]
@@ -582,10 +704,10 @@ class _KeyRecorder(DictBackend):
         self.batches.append(type(keys))
         return super().put(keys, values)
 
-    def get(self, keys, buffers, *, scratch=False):  # type: ignore[no-untyped-def]
+    def read(self, keys, buffers, *, scratch=False):  # type: ignore[no-untyped-def]
         self.batches.append(type(keys))
         self.scratch.append(scratch)
-        return super().get(keys, buffers, scratch=scratch)
+        return super().read(keys, buffers, scratch=scratch)
 
 
 def test_the_connector_hands_backends_key_batches_it_has_already_vetted():
@@ -637,3 +759,59 @@ def test_whatever_a_backend_answers_per_key_reaches_the_caller_as_bools(answers)
     got = Answering().exists([f"k/{i}" for i in range(len(answers))])
     assert got == [bool(a) for a in answers]
     assert all(type(flag) is bool for flag in got)
+
+
+class HolderDied(DictBackend):
+    """Reports pages under ``lost`` as stored but unreachable, as Mooncake does for a
+    value whose storage process died (``-800``), and others by their real state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: set[str] = set()
+
+    def _read_status(self, keys, buffers, *, scratch):
+        from kvconn.backend import ReadStatus
+
+        out = []
+        for key, ok in zip(keys, self._get(keys, buffers, scratch=scratch)):
+            if key in self.lost:
+                out.append(ReadStatus.UNREACHABLE)
+            elif ok:
+                out.append(ReadStatus.LOADED)
+            elif key not in self.data:
+                out.append(ReadStatus.MISSING)
+            else:
+                out.append(ReadStatus.WRONG_SIZE)
+        return out
+
+
+def test_a_page_that_is_only_unreachable_is_a_miss_and_is_kept_for_a_later_load():
+    store = HolderDied()
+    layout = minimax_m3(tp_size=2)
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    (reader, _) = tp_group(layout, store, fill=False)
+    lost = next(k for k in store.data if "/w2r0/" in k and k.endswith(HASHES[2].hex()))
+    store.lost.add(lost)
+    result = reader.load(HASHES, SLOTS)
+    assert result.loaded == 2
+    assert lost in store.data  # not deleted: its holder may come back
+    assert reader.stats.pages("unreachable") == 1
+    assert reader.stats.pages("corrupt") == 0 and reader.stats.pages("repaired") == 0
+    store.lost.clear()  # the segment is served again
+    assert reader.load(HASHES, SLOTS).loaded == N
+
+
+def test_a_page_the_backend_reports_of_the_wrong_size_is_repaired_without_asking_exists():
+    store = HolderDied()
+    layout = minimax_m3(tp_size=1)
+    (writer,) = tp_group(layout, store)
+    writer.save(HASHES, SLOTS)
+    bad = next(k for k in store.data if "/replicated/" in k and k.endswith(HASHES[1].hex()))
+    store.data[bad] = store.data[bad][:-1]
+    (reader,) = tp_group(layout, store, fill=False)
+    store.calls.clear()
+    assert reader.load(HASHES, SLOTS).loaded == 1
+    assert bad not in store.data
+    assert [op for op, _ in store.calls] == ["get"]  # the status said why: no exists
+    assert reader.stats.pages("repaired") == 1

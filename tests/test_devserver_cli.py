@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -214,3 +215,165 @@ def test_a_redis_password_never_appears_on_the_server_command_line():
             assert secret.encode() not in fh.read()
         reply = server.command("PING")
         assert reply in (b"PONG", "PONG")
+
+
+# ------------------------------------------------------- Ctrl-C in every phase (issue 15)
+def _slow_redis_server(directory: Path, delay_s: float) -> Path:
+    """A ``redis-server`` that notes its pid, sleeps ``delay_s``, then becomes the real one.
+
+    Put first on PATH (or given as ``binary``), it holds a start in "waiting for the
+    server" long enough to interrupt it there; ``--version`` answers at once.
+    """
+    real = shutil.which("redis-server")
+    assert real is not None
+    path = directory / "redis-server"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "--version" ]; then exec {real} "$@"; fi\n'
+        f'echo $$ >> "{directory}/pids"\n'
+        f"sleep {delay_s}\n"
+        f'exec {real} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def _pids_started(directory: Path) -> list[int]:
+    try:
+        return [int(line) for line in (directory / "pids").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_start_interrupted_while_waiting_for_the_server_stops_it_before_the_interrupt_goes_on(
+    tmp_path,
+):
+    """The interrupted start's server was held only by the traceback's frames: it ran
+    for as long as anything kept the traceback (a test report, a logged exc_info, an
+    interactive session's last traceback), until mirakuru's executor was collected."""
+    require_or_skip(RedisServer.available())
+    server = RedisServer(binary=str(_slow_redis_server(tmp_path, 30)))
+
+    def interrupt_once_it_runs() -> None:
+        _wait_for(lambda: _pids_started(tmp_path), timeout=30)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_it_runs, daemon=True)
+    interrupter.start()
+    try:
+        server.start()
+    except KeyboardInterrupt:
+        (pid,) = _pids_started(tmp_path)
+        alive = _running(pid)  # asked while the interrupt, and its traceback, live
+    else:
+        pytest.fail("the start was not interrupted")
+    finally:
+        interrupter.join()
+    assert not alive
+    assert server.directory is None
+
+
+def _ignores_sigterm(directory: Path) -> Path:
+    """A stand-in server that listens on its ``--port`` and ignores SIGTERM."""
+    path = directory / "stubborn-server"
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import signal, socket, sys\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "listener = socket.create_server(('127.0.0.1', port))\n"
+        "while True:\n"
+        "    listener.accept()[0].close()\n"
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_servers_that_ignore_sigterm_are_killed_after_one_short_grace_not_one_per_node(tmp_path):
+    """Stops waited for SIGTERM as long as a start may take (15 s for Redis), one node
+    after another: 45 s for a 3-node cluster whose nodes were slow to exit."""
+    from kvconn.tools.devserver._process import STOP_GRACE_S
+    from kvconn.tools.devserver.redis import RedisCluster
+
+    cluster = RedisCluster(3, binary=str(_ignores_sigterm(tmp_path)))
+    try:
+        for node in cluster.nodes:
+            node.start()
+        pids = [node.pid for node in cluster.nodes]
+        started = time.monotonic()
+        cluster.stop()
+        took = time.monotonic() - started
+    finally:
+        cluster.stop()
+    assert STOP_GRACE_S <= took < STOP_GRACE_S + 3, took
+    assert not [pid for pid in pids if pid is not None and _running(pid)]
+
+
+def _burn_cpu(processes: int) -> list[subprocess.Popen[bytes]]:
+    """CPU-bound processes, so the dev server is stopped on a loaded machine."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+
+
+#: Seconds a loaded machine may take, after the signal, until the dev server has exited
+#: with every process it started (measured: under 2 s with twice as many CPU burners as
+#: cores on a 2-core machine; a stop that waits out a start took 8 s and more).
+EXIT_BOUND_S = 6.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [
+        ("starting", signal.SIGINT),
+        ("waiting for the server", signal.SIGINT),
+        ("waiting for the server", signal.SIGTERM),
+        ("serving", signal.SIGINT),
+        ("serving", signal.SIGTERM),
+    ],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value,
+)
+def test_kvconn_dev_server_stops_promptly_on_a_signal_in_every_phase_under_load(
+    tmp_path, phase, sig
+):
+    require_or_skip(RedisServer.available())
+    _slow_redis_server(tmp_path, 8 if phase == "waiting for the server" else 0)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    burners = _burn_cpu(2 * (os.cpu_count() or 1))
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvconn.tools.cli", "dev-server", "redis", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert proc.stdout is not None
+        if phase == "starting":
+            time.sleep(0.3)  # the interpreter and kvconn are still loading
+        elif phase == "waiting for the server":
+            _wait_for(lambda: _pids_started(tmp_path))
+            time.sleep(0.2)
+        else:
+            assert json.loads(proc.stdout.readline())["url"].startswith("redis://")
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+        took = time.monotonic() - sent
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert took < EXIT_BOUND_S, (took, proc.stderr.read() if proc.stderr else "")
+    # Ctrl-C while Python itself starts is Python's own: a KeyboardInterrupt exit
+    assert code in ((0, 130, 1, -signal.SIGINT) if phase == "starting" else (0,)), code
+    assert not [pid for pid in _pids_started(tmp_path) if _running(pid)]

@@ -531,3 +531,32 @@ def test_an_inconsistent_manifest_is_refused_with_the_reason(edit, message):
     edit(doc)
     with pytest.raises(ManifestError, match=message.replace("[", r"\[").replace("]", r"\]")):
         PageManifest.from_json(json.dumps(doc))
+
+
+# ------------------------------------------------ a prefix as typed (issue 15)
+@pytest.mark.server
+def test_inspect_of_redis_finds_a_non_ascii_model_by_the_prefix_as_typed(capsys):
+    """``--prefix é`` died in the Redis backend's scan with a UnicodeEncodeError; the
+    prefix is now spelt as keys spell names, so the model's own name finds its pages."""
+    from kvconn.testing.suite import require_or_skip
+    from kvconn.tools.devserver.redis import RedisServer
+
+    require_or_skip(RedisServer.available())
+    with RedisServer() as server:
+        backend = load_backend("redis", server.options)
+        try:
+            for conn in tp_group(minimax_m3(tp_size=2, layers=1), backend, model="mod\u00e8le"):
+                assert conn.save(HASHES[:2], [0, 1]).dropped == 0
+        finally:
+            backend.close()
+        store = ["--backend", "redis", "-o", f"url={server.url}", "--json"]
+        for typed, pages in (("kvconn/mod\u00e8le/", 6), ("kvconn/mod\u00e8", 6), ("\u00e9", 0)):
+            assert main(["inspect", *store, "--prefix", typed]) == 0, capsys.readouterr().err
+            result = json.loads(capsys.readouterr().out)
+            assert sum(m["pages"] for m in result["models"]) == pages, typed
+        assert result["prefix"] == "%C3%A9"
+        # an escaped prefix copied from a key is taken as written
+        assert main(["inspect", *store, "--prefix", "kvconn/mod%C3%A8le/"]) == 0
+        assert [m["model"] for m in json.loads(capsys.readouterr().out)["models"]] == [
+            "mod\u00e8le"
+        ]

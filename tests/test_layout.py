@@ -124,6 +124,51 @@ def test_a_tensor_whose_slot_bytes_are_not_contiguous_is_rejected():
         Region.from_tensor("k", 0, pool[:, :, 0], pool)
 
 
+@pytest.mark.parametrize("empty", [slice(0, 0), slice(2, 2)], ids=["no slots", "past the end"])
+def test_an_empty_tensor_is_refused_as_empty_not_as_lying_outside_its_pool(empty):
+    """Issue 15: ``pool[:0]`` was "the tensor does not lie inside pool 0"."""
+    pool = torch.zeros(2, 3, 16, dtype=torch.bfloat16)
+    for view in (pool[empty], pool[:, 0, :0]):
+        with pytest.raises(LayoutError, match=r"region k@layer0: the tensor is empty \(shape"):
+            Region.from_tensor("k", 0, view, pool)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Role("k", 8, "bf16\x00"), "dtype 'bf16\\\\x00' must be non-empty printable ASCII"),
+        (lambda: Role("k", 8, "bf16\n"), "printable ASCII"),
+        (lambda: Role("k", 8, "bf16\u200b"), "printable ASCII"),  # zero-width space
+        (lambda: Role("k", 8, "bf\u00e916"), "printable ASCII"),
+        (
+            lambda: LayerGroup(0, 1, (Region("k", 0, 0, 8, 8, 1),), name="full\nattention"),
+            "layer group 0: name 'full\\\\nattention' must be printable text",
+        ),
+    ],
+)
+def test_text_that_reaches_a_key_a_manifest_or_a_label_refuses_control_characters(make, message):
+    with pytest.raises(LayoutError, match=message):
+        make()
+
+
+def test_a_stored_manifest_may_not_claim_a_dtype_or_role_name_no_layout_could_declare():
+    """Tools print manifests read from a store: they get the rules layouts get."""
+    from kvconn.manifest import ManifestError, PageManifest
+
+    good = PageManifest(32, "w8", (("k", 8, "bf16"),), ((0, "k", 64),))
+    for field, bad in (("dtype", "bf16\u0000"), ("dtype", "bf16\u001b[2J")):
+        doc = json.loads(good.to_json())
+        doc["roles"]["k"][field] = bad
+        with pytest.raises(ManifestError, match="printable ASCII"):
+            PageManifest.from_json(json.dumps(doc))
+    doc = json.loads(good.to_json())
+    doc["roles"]["k\n"] = doc["roles"].pop("k")
+    doc["regions"] = [[0, "k\n", 64]]
+    with pytest.raises(ManifestError, match="role name"):
+        PageManifest.from_json(json.dumps(doc))
+    assert PageManifest.from_json(good.to_json()) == good
+
+
 def test_roles_need_valid_names_units_and_dtypes():
     with pytest.raises(LayoutError, match="role name"):
         Role("K/V", 8, "bf16")
@@ -195,7 +240,11 @@ def _two_pool_layout() -> KvLayout:
     groups = (
         LayerGroup(0, 4, (Region("k", 0, 0, 64, 128, 4), Region("v", 0, 64, 64, 128, 4))),
         LayerGroup(
-            3, 2, (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)), "swa"
+            3,
+            2,
+            (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)),
+            "swa",
+            window=2,
         ),
     )
     return KvLayout(2, 32, roles, groups, (600, 64))
@@ -215,7 +264,9 @@ def test_a_layout_round_trips_through_json_exactly():
     [
         (lambda d: d.pop("tp_size"), r"layout: missing field\(s\) \['tp_size'\]"),
         (lambda d: d.update(pools=[1]), r"unknown field\(s\) \['pools'\]"),
-        (lambda d: d.update(version=2), "version 2 is not 1"),
+        (lambda d: d.update(version=2), "version 2 is not 3"),
+        (lambda d: d["groups"][0].pop("window"), r"groups\[0\]: missing field\(s\) \['window'\]"),
+        (lambda d: d["groups"][1].update(window=0), r"window \(blocks, or None\) must be > 0"),
         (lambda d: d.update(groups={}), "layout.groups: must be a list"),
         (lambda d: d["roles"][0].update(units="2"), "units must be an int"),
         (lambda d: d["groups"][1]["regions"][0].pop("pool"), r"regions\[0\]: missing.*'pool'"),
@@ -229,3 +280,11 @@ def test_a_layout_dict_is_validated_on_the_way_in(edit, message):
     edit(data)
     with pytest.raises(LayoutError, match=message):
         KvLayout.from_dict(data)
+
+
+@pytest.mark.parametrize("window", [0, -2, 1.5, True, "2"])
+def test_a_group_window_is_a_number_of_blocks_or_none(window):
+    with pytest.raises(LayoutError, match=r"layer group 0: window \(blocks, or None\) must"):
+        LayerGroup(0, 4, (_REGION,), window=window)
+    assert LayerGroup(0, 4, (_REGION,), window=3).window == 3
+    assert LayerGroup(0, 4, (_REGION,)).window is None

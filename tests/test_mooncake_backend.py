@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -25,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvconn.backend import ReadStatus
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
@@ -35,6 +38,7 @@ from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver._ports import free_port
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.models import minimax_m3
+from tests.helpers import slot_bytes
 
 pytestmark = pytest.mark.server
 
@@ -72,6 +76,43 @@ def _options(cluster: MooncakeCluster, **extra: Any) -> dict[str, Any]:
 def _open(options: dict[str, Any]) -> Any:
     """The backend as the connector gets it: by name, through the entry point."""
     return load_backend("mooncake", options)
+
+
+class _StoppedStorage:
+    """write_stall: the storage processes stopped (SIGSTOP) while the master answers.
+
+    A put asks the master for room first (the master counts its keys as started), then
+    waits on the stopped process for its bytes; ``exists`` asks only the master. Held
+    puts are the keys started since :meth:`hold` and neither ended nor revoked yet, as
+    the master's metrics count them.
+    """
+
+    def __init__(self, cluster: MooncakeCluster) -> None:
+        self.cluster = cluster
+        self._base = 0
+        self._stopped: list[int] = []
+
+    def _in_flight(self) -> int:
+        metrics = self.cluster.metrics()
+        return int(
+            metrics["master_batch_put_start_items_total"]
+            - metrics["master_batch_put_end_items_total"]
+            - metrics["master_batch_put_revoke_items_total"]
+        )
+
+    def hold(self) -> None:
+        self._base = self._in_flight()
+        self._stopped = self.cluster.pids[1:]  # the master comes first
+        for pid in self._stopped:
+            os.kill(pid, signal.SIGSTOP)
+
+    def holding(self) -> int:
+        return self._in_flight() - self._base
+
+    def release(self) -> None:
+        stopped, self._stopped = self._stopped, []
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
 
 
 class _RestartMaster:
@@ -141,6 +182,10 @@ class TestMooncakeConformance(BackendTests):
     @pytest.fixture
     def backend_options(self, cluster: MooncakeCluster) -> dict[str, Any]:
         return _options(cluster)
+
+    @pytest.fixture
+    def write_stall(self, cluster: MooncakeCluster) -> _StoppedStorage:
+        return _StoppedStorage(cluster)
 
     @pytest.fixture
     def server_control(self, cluster: MooncakeCluster) -> _RestartMaster:
@@ -330,6 +375,132 @@ def test_misses_and_wrong_sizes_are_counted_once_per_buffer_on_either_read_path(
     assert backend.get(keys, bufs, scratch=scratch) == [False] * 4
     assert backend.counters["get_miss"] == 2
     assert backend.counters["get_wrong_size"] == 2
+
+
+# ---------------------------------------------------------------- threads
+def _run_threads(*targets: Any) -> None:
+    """Run every target on its own thread at once; fail with what any of them raised."""
+    problems: list[str] = []
+    start = threading.Barrier(len(targets))
+
+    def run(target: Any) -> None:
+        try:
+            start.wait(timeout=30)
+            target()
+        except BaseException as exc:
+            problems.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not problems, problems
+
+
+def test_transfers_stay_right_while_another_thread_registers_and_unregisters_memory(
+    backend: Any, prefix: str
+) -> None:
+    """Registration racing with transfers, through registered and scratch memory.
+
+    Each transfer thread moves half its keys from and into a registered arena (zero
+    copy) and half through scratch memory; another thread registers fresh buffers,
+    moves a value through each, and unregisters it. Every value must arrive whole, and
+    the counters must add up exactly: every key counted once, on the path it took.
+    """
+    threads, rounds, keys_per_round, size = 3, 8, 8, 16 * 1024
+    half = keys_per_round // 2
+    arena = memoryview(bytearray(threads * MiB))
+    backend.register_buffer(arena)
+    churns = 20
+
+    def transfer(t: int) -> None:
+        region = arena[t * MiB : (t + 1) * MiB]
+        for r in range(rounds):
+            keys = [f"{prefix}/t{t}/r{r}/{i}" for i in range(keys_per_round)]
+            values = [_value(t * 1000 + r * 10 + i, size) for i in range(keys_per_round)]
+            for i in range(half):
+                region[i * size : (i + 1) * size] = values[i]
+            sources: list[Any] = [region[i * size : (i + 1) * size] for i in range(half)]
+            sources += values[half:]  # through scratch memory
+            assert backend.put(keys, sources) == [True] * keys_per_round
+            into: list[Any] = [
+                region[(half + i) * size : (half + i + 1) * size] for i in range(half)
+            ]
+            into += [bytearray(size) for _ in range(half)]
+            assert backend.get(keys, into, scratch=r % 2 == 0) == [True] * keys_per_round
+            assert [bytes(b) for b in into] == values, f"thread {t} round {r}"
+
+    def churn() -> None:
+        for c in range(churns):
+            fresh = memoryview(bytearray(256 * 1024 + c * 4096))  # new memory each time
+            backend.register_buffer(fresh)
+            try:
+                key = f"{prefix}/churn/{c}"
+                fresh[:4096] = _value(c, 4096)
+                assert backend.put([key], [fresh[:4096]]) == [True]
+                out = fresh[8192 : 8192 + 4096]
+                assert backend.get([key], [out]) == [True] and bytes(out) == _value(c, 4096)
+            finally:
+                backend.unregister_buffer(fresh)
+
+    try:
+        _run_threads(*[lambda t=t: transfer(t) for t in range(threads)], churn)
+    finally:
+        backend.unregister_buffer(arena)
+    counters = backend.counters
+    per_path = threads * rounds * half
+    assert counters["register_refused"] == 0
+    assert counters["put_zero_copy"] == counters["get_zero_copy"] == per_path + churns
+    assert counters["put_scratch"] == counters["get_scratch"] == per_path
+
+
+def test_reads_and_puts_from_several_threads_fail_over_while_a_storage_process_is_dead(
+    loopback_env: None,
+) -> None:
+    """Fail-over state shared by threads: endpoints found dead, segments found alive.
+
+    Readers (two replicas of every key) and writers (one replica: the master still
+    places some on the dead segment) run at once while the master lists a dead storage
+    process. Every read loads, every put is stored, and nothing is counted as failed.
+    """
+    with MooncakeCluster(storage_processes=2, segment_size=64 * MiB, client_ttl=60) as pair:
+        reader = _open(_options(pair, replica_num=2))
+        writer = _open(_options(pair))
+        try:
+            keys = [f"replicas/{i}" for i in range(16)]
+            values = [_value(i, 128 * 1024) for i in range(16)]
+            assert reader.put(keys, values) == [True] * 16
+            pair.kill_storage(0)
+            assert len(pair.segments()) == 2  # the master still lists the dead segment
+
+            def read(t: int) -> None:
+                for attempt in range(3):
+                    buffers = [bytearray(len(v)) for v in values]
+                    scratch = (t + attempt) % 2 == 0
+                    assert reader.get(keys, buffers, scratch=scratch) == [True] * 16
+                    assert [bytes(b) for b in buffers] == values, (t, attempt)
+
+            def write(t: int) -> None:
+                for r in range(3):
+                    new = [f"after-death/{t}/{r}/{i}" for i in range(8)]
+                    new_values = [_value(t * 100 + r * 10 + i, 64 * 1024) for i in range(8)]
+                    assert writer.put(new, new_values) == [True] * 8, (t, r)
+                    buffers = [bytearray(len(v)) for v in new_values]
+                    assert writer.get(new, buffers, scratch=True) == [True] * 8, (t, r)
+                    assert [bytes(b) for b in buffers] == new_values
+
+            _run_threads(
+                *[lambda t=t: read(t) for t in range(3)], *[lambda t=t: write(t) for t in range(3)]
+            )
+            assert reader.counters["get_failed"] == 0 and reader.counters["get_failover"] > 0
+            assert writer.counters["put_failed"] == 0 and writer.counters["put_rerouted"] > 0
+            loaded = 3 * 3 * 16
+            assert reader.counters["get_zero_copy"] + reader.counters["get_scratch"] == loaded
+        finally:
+            reader.close()
+            writer.close()
 
 
 def test_a_value_read_before_can_still_be_deleted(backend: Any, prefix: str) -> None:
@@ -623,6 +794,217 @@ def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_un
             backend.close()
 
 
+# ---------------------------------------------------------------- why a read failed
+LOADED, MISSING = ReadStatus.LOADED, ReadStatus.MISSING
+WRONG_SIZE, UNREACHABLE = ReadStatus.WRONG_SIZE, ReadStatus.UNREACHABLE
+
+
+def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
+    backend: Any, prefix: str
+) -> None:
+    """Each read path tells the two apart from what it already learns: the checked one
+    from the size query, the scratch one from ``batch_get_into`` (``-600`` for a buffer
+    too small, the value's length for one too large)."""
+    six, ok, absent = f"{prefix}/six", f"{prefix}/ok", f"{prefix}/absent"
+    assert backend.put([six, ok], [b"sixsix", b"ok"]) == [True, True]
+    for scratch in (False, True):
+        for size in (5, 7):  # one size per call: the scratch path stays the scratch path
+            buf = bytearray(b"\x11" * size)
+            assert backend.read(
+                [six, absent, ok], [buf, bytearray(6), bytearray(2)], scratch=scratch
+            )[:2] == [WRONG_SIZE, MISSING]
+            if not scratch:
+                assert buf == b"\x11" * size
+        bufs = [bytearray(2), bytearray(6)]
+        assert backend.read([ok, absent], bufs, scratch=scratch) == [LOADED, MISSING]
+        assert bufs[0] == b"ok"
+
+
+@pytest.mark.parametrize("read_failover", [True, False], ids=["failover", "no-failover"])
+def test_keys_on_a_dead_storage_process_read_as_unreachable_then_missing_once_dropped(
+    loopback_env: None, read_failover: bool
+) -> None:
+    """Until the master drops a dead storage process's segment (``client_ttl``) it still
+    lists the objects there, and every read of one fails with ``-800``: stored, bytes not
+    at fault, only out of reach, so ``UNREACHABLE`` (the connector keeps such a page).
+    Once the segment is dropped the objects are gone: ``MISSING``."""
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=32 * MiB, client_ttl=8) as one:
+        backend = _open(_options(one, read_failover=read_failover))
+        try:
+            keys = [f"dead/{i}" for i in range(4)]
+            values = [_value(i, 64 * 1024) for i in range(4)]
+            assert backend.put(keys, values) == [True] * 4
+            one.kill_storage(0)
+            for scratch in (True, False):
+                buffers = [bytearray(b"\xee" * len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [UNREACHABLE] * 4
+                if not scratch:
+                    assert all(b == b"\xee" * len(b) for b in buffers)
+            assert len(one.segments()) == 1  # the master still lists the dead segment...
+            assert backend.exists(keys) == [True] * 4  # ...and so its objects
+            deadline = time.monotonic() + 60
+            while one.segments():
+                assert time.monotonic() < deadline, one.segments()
+                time.sleep(0.2)
+            for scratch in (True, False):
+                buffers = [bytearray(len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [MISSING] * 4
+            assert backend.exists(keys) == [False] * 4
+        finally:
+            backend.close()
+
+
+def test_a_key_whose_every_copy_is_on_a_dead_storage_process_reads_as_unreachable(
+    loopback_env: None,
+) -> None:
+    """Fail-over tries every copy the master lists; when none transfers the key is out
+    of reach, not unreadable."""
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=2, segment_size=32 * MiB, client_ttl=60) as pair:
+        backend = _open(_options(pair, replica_num=2))
+        try:
+            keys = [f"all-dead/{i}" for i in range(6)]
+            values = [_value(i, 64 * 1024) for i in range(6)]
+            assert backend.put(keys, values) == [True] * 6
+            pair.kill_storage(0)
+            pair.kill_storage(1)
+            for scratch in (True, False):
+                buffers = [bytearray(len(v)) for v in values]
+                assert backend.read(keys, buffers, scratch=scratch) == [UNREACHABLE] * 6
+            assert backend.counters["get_failover"] == 0
+            assert backend.exists(keys) == [True] * 6  # still listed: kept, not deleted
+        finally:
+            backend.close()
+
+
+def _connector(cluster: MooncakeCluster) -> Connector:
+    layout = minimax_m3(tp_size=1, layers=2, num_slots=8)
+    pool = torch.randint(0, 256, (layout.pool_sizes[0],), dtype=torch.uint8)
+    config = ConnectorConfig(
+        model=f"mm3-{uuid.uuid4().hex[:8]}", backend="mooncake", options=_options(cluster)
+    )
+    return Connector(config, layout, rank=0, pools=[pool])
+
+
+def _same_slots(conn: Connector, saved: list[int], loaded: list[int]) -> bool:
+    return all(
+        slot_bytes(conn.layout, conn.pools, a) == slot_bytes(conn.layout, conn.pools, b)
+        for a, b in zip(saved, loaded)
+    )
+
+
+def _wait_for_replica_queries(cluster: MooncakeCluster, baseline: float, items: int) -> None:
+    """Until the master has told clients where ``items`` more keys lie: a read that got
+    that far goes on to move their bytes from the storage process."""
+    deadline = time.monotonic() + 30
+    name = "master_batch_get_replica_list_items_total"
+    while cluster.metrics()[name] < baseline + items:
+        assert time.monotonic() < deadline, "the load never asked the master"
+        time.sleep(0.01)
+
+
+def test_a_load_whose_storage_process_dies_mid_load_keeps_its_pages_and_counts_them_unreachable(
+    loopback_env: None,
+) -> None:
+    """Issue 15, item 3: a transfer failure to a dead storage process looked like "stored
+    but unreadable" and repair deleted good pages. Now the block fails as a miss, the
+    pages stay stored (another replica, or the master dropping the dead segment, settles
+    them) and ``unreachable`` counts them; nothing is ``corrupt`` or ``repaired``.
+
+    Killed mid-load, deterministically: the storage process is stopped (SIGSTOP), the
+    load starts, and once the master has told it where every page lies (its replica
+    query, seen in the master's metrics) the process is SIGKILLed while the load's
+    transfer waits on it. A restarted storage process cannot serve the old pages: it
+    mounts a new, empty segment, and the old objects stay listed on the dead one until
+    the master drops it; after that they are misses, and the next save writes them anew.
+    """
+    _require_mooncake()
+    with MooncakeCluster(storage_processes=1, segment_size=64 * MiB, client_ttl=20) as one:
+        conn = _connector(one)
+        try:
+            hashes = block_hashes(list(range(32 * 4)), 32)
+            assert conn.save(hashes, [0, 1, 2, 3]).dropped == 0
+            assert conn.lookup(hashes).blocks == 4
+            pages = 4 * len(conn.shares)
+            keys = [k for h in hashes for k in conn.keys.rank_keys(0, h)]
+            assert len(keys) == pages
+            baseline = one.metrics()["master_batch_get_replica_list_items_total"]
+            os.kill(one.pids[1], signal.SIGSTOP)  # the master comes first
+            outcome: list[Any] = []
+            loading = threading.Thread(
+                target=lambda: outcome.append(conn.load(hashes, [4, 5, 6, 7]))
+            )
+            loading.start()
+            _wait_for_replica_queries(one, baseline, pages)
+            one.kill_storage(0)  # SIGKILL reaches a stopped process too
+            loading.join(timeout=60)
+            assert not loading.is_alive()
+            result = outcome[0]
+            assert result.loaded == 0 and result.failed == (0, 1, 2, 3)
+            stats = conn.stats
+            assert stats.pages("unreachable") == pages
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            assert stats.backend_errors == 0  # a miss, not an outage: no back-off
+            # Kept: the master still lists the pages, so the lookup still hits, and the
+            # next load fails the same way without deleting them.
+            assert len(one.segments()) == 1
+            assert conn.backend.exists(keys) == [True] * pages
+            assert conn.lookup(hashes).blocks == 4
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 0
+            assert stats.pages("unreachable") == 2 * pages
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            # A restarted storage process mounts a new segment: the old pages stay out
+            # of reach until the master drops the dead one, then they are misses.
+            dead = set(one.segments())
+            one.restart_storage(0)
+            deadline = time.monotonic() + 90
+            while len(one.segments()) > 1:
+                assert time.monotonic() < deadline, one.segments()
+                time.sleep(0.2)
+            assert one.segments().keys().isdisjoint(dead)  # a new segment, not the old one
+            assert conn.lookup(hashes).blocks == 0
+            assert conn.backend.exists(keys) == [False] * pages
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 0
+            assert stats.pages("unreachable") == 2 * pages  # plain misses now
+            assert stats.pages("corrupt") == stats.pages("repaired") == 0
+            # The next save writes them onto the new process, and they load whole.
+            assert conn.save(hashes, [0, 1, 2, 3]).written == pages
+            assert conn.load(hashes, [4, 5, 6, 7]).loaded == 4
+            assert _same_slots(conn, [0, 1, 2, 3], [4, 5, 6, 7])
+        finally:
+            conn.close()
+
+
+def test_a_page_replaced_by_a_value_of_another_size_is_deleted_and_rewritten(
+    cluster: MooncakeCluster,
+) -> None:
+    """The contrast: a stored value of another size can never load (``WRONG_SIZE``), so
+    the load that finds it deletes it (``corrupt``, ``repaired``), the lookup misses the
+    block and the next save writes the page again."""
+    conn = _connector(cluster)
+    try:
+        hashes = block_hashes(list(range(32 * 2)), 32)
+        assert conn.save(hashes, [0, 1]).dropped == 0
+        key = conn.keys.rank_keys(0, hashes[1])[0]
+        backend: Any = conn.backend
+        assert backend.delete([key]) == [True]
+        assert backend.put([key], [b"a value of another size"]) == [True]
+        buffer = bytearray(conn.shares[0].plan.value_size)
+        assert backend.read([key], [buffer], scratch=True) == [WRONG_SIZE]
+        result = conn.load(hashes, [4, 5])
+        assert result.loaded == 1 and result.failed == (1,)
+        assert conn.stats.pages("corrupt") == conn.stats.pages("repaired") == 1
+        assert conn.stats.pages("unreachable") == 0
+        assert backend.exists([key]) == [False]
+        assert conn.lookup(hashes).blocks == 1
+        assert conn.save(hashes, [0, 1]).written == 1
+        assert conn.load(hashes, [4, 5]).loaded == 2
+        assert _same_slots(conn, [0, 1], [4, 5])
+    finally:
+        conn.close()
+
+
 def test_a_client_that_mounts_memory_serves_its_pages_to_others_with_the_shared_engine(
     loopback_env: None,
 ) -> None:
@@ -735,6 +1117,10 @@ _MASTER = "127.0.0.1:1"
         ({"master_address": _MASTER, "local_hostname": "a b"}, "option 'local_hostname'"),
         ({"master_address": _MASTER, "global_segment_size": -1}, "option 'global_segment_size'"),
         ({"master_address": _MASTER, "global_segment_size": "lots"}, "'global_segment_size'"),
+        (
+            {"master_address": _MASTER, "global_segment_size": "1.5"},
+            r"option 'global_segment_size': '1.5' is 1.5 bytes, not a whole number",
+        ),
         ({"master_address": _MASTER, "local_buffer_size": True}, "option 'local_buffer_size'"),
         ({"master_address": _MASTER, "replica_num": 0}, "option 'replica_num'"),
         ({"master_address": _MASTER, "replica_num": True}, "option 'replica_num'"),

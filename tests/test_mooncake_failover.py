@@ -1,25 +1,39 @@
-"""Replica fail-over logic (:mod:`kvconn_mooncake._failover`) against a scripted engine.
+"""Replica fail-over without a server: the policy (:mod:`kvconn_mooncake._failover`) and
+the replica reader (:mod:`kvconn_mooncake._replicas`) against a scripted engine.
 
 The real behaviour (a killed storage process, reads served by the live copy) is tested
 against real Mooncake processes in ``test_mooncake_backend.py`` and
-``test_tp_group_mooncake.py``; here the engine is a stand-in so the ordering and
-endpoint bookkeeping can be checked exactly.
+``test_tp_group_mooncake.py``; here the engine and the replica descriptors are stand-ins,
+so the ordering, the endpoint bookkeeping and each decision can be checked exactly.
 """
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kvconn_mooncake import _codes as codes
 from kvconn_mooncake._failover import (
+    RETRY,
+    Reroute,
+    Verdict,
+    after_description,
+    after_failed_transfer,
+    bypass_client,
+)
+from kvconn_mooncake._replicas import (
     Copy,
     Read,
     ReplicaReader,
     Stored,
     bare_host,
+    copies_of,
     make_engine,
 )
+
+from kvconn.backend import ReadStatus
 
 A, B, C = "10.0.0.1:1", "10.0.0.2:2", "10.0.0.3:3"
 
@@ -97,8 +111,7 @@ def test_a_failed_endpoint_is_forgotten_after_the_avoid_window() -> None:
 def test_reads_bypass_the_client_only_when_a_copy_is_suspect_and_another_is_not(
     copies: tuple[Copy, ...], avoid: set[str], bypass: bool
 ) -> None:
-    reader = ReplicaReader(_Engine(dead=set()))
-    assert reader.should_bypass(Stored(64, copies), avoid) is bypass
+    assert bypass_client(Stored(64, copies), avoid) is bypass
 
 
 @pytest.mark.parametrize(
@@ -133,3 +146,104 @@ def test_an_engine_that_cannot_start_turns_failover_off_with_a_warning(
     assert "fail-over is off" in caplog.text
     names = Module.TransferEngine.names
     assert len(names) == 3 and all(n.startswith("127.0.0.1:") for n in names)
+
+
+# ---------------------------------------------------------------- replica descriptors
+def _replica(status: str, *, endpoint: str = "", address: int = 0, size: int = 0) -> Any:
+    """A stand-in of one entry of ``batch_get_replica_desc``; ``endpoint`` "" is on disk."""
+    buffer = SimpleNamespace(transport_endpoint=endpoint, buffer_address=address, size=size)
+    return SimpleNamespace(
+        status=status,
+        is_memory_replica=lambda: bool(endpoint),
+        get_memory_descriptor=lambda: SimpleNamespace(buffer_descriptor=buffer),
+        get_disk_descriptor=lambda: SimpleNamespace(object_size=size),
+    )
+
+
+def test_only_complete_replicas_are_copies_and_a_key_without_one_is_absent() -> None:
+    described = {
+        "two": [
+            _replica("COMPLETE", endpoint=A, address=1, size=64),
+            _replica("COMPLETE", endpoint=B, address=2, size=64),
+        ],
+        "in-flight": [_replica("PROCESSING", endpoint=A, address=3, size=64)],
+        "half": [
+            _replica("PROCESSING", endpoint=A, address=4, size=64),
+            _replica("COMPLETE", endpoint=C, address=5, size=64),
+        ],
+    }
+    assert copies_of(described, "COMPLETE") == {
+        "two": Stored(64, (Copy(A, 1), Copy(B, 2))),
+        "half": Stored(64, (Copy(C, 5),)),
+    }
+
+
+def test_a_disk_replica_gives_a_size_but_no_copy_and_copies_of_another_size_are_dropped() -> None:
+    described = {
+        "disk": [_replica("COMPLETE", size=96)],
+        "mixed": [
+            _replica("COMPLETE", endpoint=A, address=1, size=64),
+            _replica("COMPLETE", endpoint=B, address=2, size=32),
+        ],
+    }
+    assert copies_of(described, "COMPLETE") == {
+        "disk": Stored(96, ()),
+        "mixed": Stored(64, (Copy(A, 1),)),
+    }
+
+
+# ---------------------------------------------------------------- the policy
+@pytest.mark.parametrize(
+    ("stored", "verdict"),
+    [
+        (None, RETRY),  # read without the size query: copies unknown, ask and try them
+        (Stored(64, (Copy(A, 1), Copy(B, 2))), RETRY),  # another copy to try
+        (Stored(64, (Copy(A, 1),)), Verdict(ReadStatus.UNREACHABLE, (A,))),  # the only copy
+        (Stored(64, ()), Verdict(ReadStatus.UNREACHABLE)),  # no copy the engine can read
+    ],
+    ids=["undescribed", "two-copies", "one-copy", "no-memory-copy"],
+)
+def test_a_failed_transfer_is_retried_on_another_copy_or_unreachable_with_its_endpoint_dead(
+    stored: Stored | None, verdict: Verdict
+) -> None:
+    assert after_failed_transfer(stored) == verdict
+
+
+@pytest.mark.parametrize(
+    ("stored", "verdict"),
+    [
+        (None, Verdict(ReadStatus.MISSING)),  # gone since the transfer failed
+        (Stored(32, (Copy(A, 1), Copy(B, 2))), Verdict(ReadStatus.WRONG_SIZE)),
+        (Stored(64, (Copy(A, 1), Copy(B, 2))), RETRY),
+        (Stored(64, (Copy(A, 1),)), Verdict(ReadStatus.UNREACHABLE, (A,))),
+    ],
+    ids=["missing", "wrong-size", "two-copies", "one-copy"],
+)
+def test_a_described_read_is_missing_wrong_size_retried_or_unreachable(
+    stored: Stored | None, verdict: Verdict
+) -> None:
+    assert after_description(stored, 64) == verdict
+
+
+def test_failed_puts_are_retried_only_for_a_transfer_failure_and_witnessed_by_landed_keys() -> None:
+    keys = [f"k{i}" for i in range(12)]
+    results = [codes.OK, codes.TRANSFER_FAIL, codes.NO_AVAILABLE_HANDLE]
+    results += [codes.OBJECT_ALREADY_EXISTS] + [codes.OK] * 8
+    assert Reroute.failed(results) == [1]  # a full store is a dropped save, not a reroute
+    witnesses = Reroute.witnesses(keys, results)
+    assert witnesses == ["k0", "k3", "k4", "k5", "k6", "k7", "k8", "k9"]  # landed, at most 8
+
+
+def test_puts_are_rerouted_to_segments_seen_alive_or_recently_seen_never_to_a_dead_one() -> None:
+    reroute = Reroute()
+    assert reroute.segments([], set()) == []  # nothing known alive: do not retry
+    assert reroute.segments([B, A, B], set()) == [A, B]
+    assert reroute.segments([], set()) == [A, B]  # a batch none of whose keys landed
+    assert reroute.segments([], {A}) == [B]  # a read found A dead meanwhile
+    assert reroute.segments([C], {A}) == [C]  # a fresh answer replaces the last one
+
+
+def test_segments_seen_alive_are_forgotten_after_a_while() -> None:
+    reroute = Reroute(remember_s=0.0)
+    assert reroute.segments([A], set()) == [A]
+    assert reroute.segments([], set()) == []

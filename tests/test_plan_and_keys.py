@@ -8,6 +8,7 @@ from kvconn.plan import (
     WriterPolicy,
     count_prefix_hit,
     lookup_keys,
+    lookup_windows,
     plan_pages,
     rank_shares,
     share_key,
@@ -96,6 +97,83 @@ def test_the_hit_is_the_longest_prefix_of_blocks_with_every_page():
     assert count_prefix_hit([[True], [True]]) == 2
     assert count_prefix_hit([[False, True]]) == 0
     assert count_prefix_hit([]) == 0
+
+
+# One full-attention page and one sliding-window page per block, as in a hybrid model:
+# T is stored, F is not. Rows are blocks.
+T, F = True, False
+
+
+def test_windowed_group_needs_only_the_blocks_inside_its_window():
+    # the window page of block 0 is gone: a 4-block hit with a 2-block window needs it
+    # only for blocks 2 and 3
+    present = [[T, F], [T, T], [T, T], [T, T]]
+    assert count_prefix_hit(present, [None, 2]) == 4
+    assert count_prefix_hit(present) == 0  # without the window every page counts
+
+
+def test_a_windowed_group_still_needs_every_block_inside_the_window_of_the_hit():
+    present = [[T, T], [T, T], [T, T], [T, F]]
+    assert count_prefix_hit(present, [None, 2]) == 3  # block 3's window page is missing
+    present = [[T, T], [T, T], [T, F], [T, T]]
+    # N=4 needs blocks 2-3 and N=3 needs 1-2: both miss block 2; N=2 needs 0-1
+    assert count_prefix_hit(present, [None, 2]) == 2
+
+
+def test_a_full_attention_group_needs_every_block_of_the_hit_whatever_the_windows():
+    present = [[T, T], [F, T], [T, T], [T, T]]
+    assert count_prefix_hit(present, [None, 2]) == 1
+
+
+def test_a_windowed_hit_may_reach_past_a_gap_its_window_has_left_behind():
+    """Like vLLM's own sliding-window cache hit, the largest N counts, not the first
+    gap: with only windowed pages, a missing block 1 fails N=2 and N=3 but not N=4."""
+    present = [[T], [F], [T], [T]]
+    assert count_prefix_hit(present, [2]) == 4
+    assert count_prefix_hit(present[:3], [2]) == 1
+
+
+def test_a_window_longer_than_the_hit_needs_every_block_from_the_first():
+    present = [[T, F], [T, T]]
+    assert count_prefix_hit(present, [None, 4]) == 0
+    assert count_prefix_hit([[T, T], [T, T]], [None, 4]) == 2
+
+
+def test_windows_must_be_positive_and_name_every_page_of_a_block():
+    with pytest.raises(ValueError, match="windows must be None or ints >= 1"):
+        count_prefix_hit([[T, T]], [None, 0])
+    with pytest.raises(ValueError, match="block 0 has 2 pages, windows name 1"):
+        count_prefix_hit([[T, T]], [None])
+
+
+def hybrid_layout(tp=2, window=2):
+    """A full-attention group (K/V by head) and a sliding-window group over one pool."""
+    roles = (Role("kv", 2, "bf16"),)
+    groups = (
+        LayerGroup(0, 4, (Region("kv", 1, 0, 64, 64, 4),), "full"),
+        LayerGroup(1, 4, (Region("kv", 0, 256, 64, 64, 4),), "sliding", window=window),
+    )
+    return KvLayout(tp, 32, roles, groups, (512,))
+
+
+def test_lookup_windows_name_each_lookup_key_in_order():
+    plans = plan_pages(hybrid_layout(tp=2))
+    keys = lookup_keys(PREFIX, plans, H[:1])[0]
+    windows = lookup_windows(plans)
+    assert [("/lg1/" in k, w) for k, w in zip(keys, windows)] == [
+        (False, None),
+        (False, None),
+        (True, 2),
+        (True, 2),
+    ]
+
+
+def test_the_window_is_not_part_of_any_key():
+    """A window changes which pages a hit needs, not what a page holds: engines with
+    and without a hybrid allocator share pages."""
+    windowed = lookup_keys(PREFIX, plan_pages(hybrid_layout(window=2)), H[:2])
+    full = lookup_keys(PREFIX, plan_pages(hybrid_layout(window=None)), H[:2])
+    assert windowed == full
 
 
 @pytest.mark.parametrize(

@@ -22,14 +22,16 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import redis
 from redis.connection import AbstractConnection
+from redis.crc import key_slot
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
+from kvconn.keys import key_prefix
 from kvconn.registry import load_backend
 from kvconn.testing import BackendTests
 from kvconn.testing.suite import require_or_skip
@@ -89,6 +91,34 @@ class _RestartCluster:
         self.cluster.wait_ready()
 
 
+class _PausedWrites:
+    """write_stall: ``CLIENT PAUSE … WRITE`` on every node; reads are still answered.
+
+    A paused server parks each write command it receives, and counts the connections
+    waiting so as ``blocked_clients``, until ``CLIENT UNPAUSE``.
+    """
+
+    def __init__(self, *nodes: RedisServer) -> None:
+        self.nodes = nodes
+
+    def hold(self) -> None:
+        for node in self.nodes:
+            node.command("CLIENT", "PAUSE", 60_000, "WRITE")
+
+    def holding(self) -> int:
+        return sum(_blocked_clients(node) for node in self.nodes)
+
+    def release(self) -> None:
+        for node in self.nodes:
+            node.command("CLIENT", "UNPAUSE")
+
+
+def _blocked_clients(node: RedisServer) -> int:
+    reply = node.command("INFO", "clients")
+    assert isinstance(reply, bytes)
+    return int(reply.split(b"blocked_clients:")[1].split()[0])
+
+
 def _open(options: dict[str, Any]) -> Backend:
     return load_backend("redis", options)
 
@@ -96,6 +126,8 @@ def _open(options: dict[str, Any]) -> Backend:
 # ---------------------------------------------------------------- conformance
 class TestRedisConformance(BackendTests):
     backend_name = "redis"
+    # The held puts must outlast the test's look at the server on a busy machine.
+    held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
     @pytest.fixture
     def backend_options(self, redis_server: RedisServer) -> dict[str, Any]:
@@ -105,9 +137,14 @@ class TestRedisConformance(BackendTests):
     def server_control(self, redis_server: RedisServer) -> _RestartServer:
         return _RestartServer(redis_server)
 
+    @pytest.fixture
+    def write_stall(self, redis_server: RedisServer) -> _PausedWrites:
+        return _PausedWrites(redis_server)
+
 
 class TestRedisClusterConformance(BackendTests):
     backend_name = "redis"
+    held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
     @pytest.fixture
     def backend_options(self, redis_cluster: RedisCluster) -> dict[str, Any]:
@@ -116,6 +153,10 @@ class TestRedisClusterConformance(BackendTests):
     @pytest.fixture
     def server_control(self, redis_cluster: RedisCluster) -> _RestartCluster:
         return _RestartCluster(redis_cluster)
+
+    @pytest.fixture
+    def write_stall(self, redis_cluster: RedisCluster) -> _PausedWrites:
+        return _PausedWrites(*redis_cluster.nodes)
 
 
 # ---------------------------------------------------------------- behaviour
@@ -204,7 +245,53 @@ def _make_certificates(directory: Path) -> dict[str, str]:
         "-extfile",
         "san.ext",
     )
-    return {name: str(directory / name) for name in ("ca.crt", "server.crt", "server.key")}
+    run("req", *ec, "-keyout", "client.key", "-out", "client.csr", "-subj", "/CN=kvconn client")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.crt",
+        "-days",
+        "1",
+    )
+    names = ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")
+    return {name: str(directory / name) for name in names}
+
+
+@contextlib.contextmanager
+def _tls_server(
+    directory: Path, *, auth_clients: bool
+) -> Iterator[tuple[RedisServer, int, dict[str, str]]]:
+    """A redis-server with a plain port and a TLS port; skipped without openssl or TLS."""
+    require_or_skip(RedisServer.available())
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not found: cannot make test certificates")
+    files = _make_certificates(directory)
+    tls_port = free_port()
+    server = RedisServer(
+        extra_args=[
+            *("--tls-port", str(tls_port), "--tls-ca-cert-file", files["ca.crt"]),
+            *("--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"]),
+            *("--tls-auth-clients", "yes" if auth_clients else "no"),
+        ]
+    )
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if "tls" in str(exc).lower():
+            pytest.skip(f"redis-server without TLS support: {exc}")
+        raise
+    try:
+        yield server, tls_port, files
+    finally:
+        server.stop()
 
 
 def test_a_rediss_url_talks_tls_and_rejects_an_untrusted_certificate(tmp_path: Path) -> None:
@@ -249,6 +336,53 @@ def test_a_rediss_url_talks_tls_and_rejects_an_untrusted_certificate(tmp_path: P
             _open({"url": url})  # the system CAs do not know our throwaway CA
     finally:
         server.stop()
+
+
+def test_a_tls_server_that_wants_a_client_certificate_none_was_given_is_refused_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15: the backend started with a warning, then every call failed with "Error 8
+    while writing to socket", served as misses."""
+    with _tls_server(tmp_path, auth_clients=True) as (_, tls_port, files):
+        url = f"rediss://127.0.0.1:{tls_port}/0"
+        with pytest.raises(
+            ConfigError,
+            match=r"requires a TLS client certificate and none is configured .*"
+            r"CERTIFICATE_REQUIRED.*set tls_cert_file and tls_key_file",
+        ):
+            _open({"url": url, "tls_ca_file": files["ca.crt"]})
+        certified = _open(
+            {
+                "url": url,
+                "tls_ca_file": files["ca.crt"],
+                "tls_cert_file": files["client.crt"],
+                "tls_key_file": files["client.key"],
+            }
+        )
+        assert certified.put(["tls/cert"], [b"x"]) == [True]
+        certified.close()
+    assert "calls will fail" not in caplog.text
+
+
+def test_a_url_whose_scheme_does_not_match_the_ports_transport_is_refused_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 15: ``redis://`` at a TLS port was "Connection reset by peer" on every call;
+    ``rediss://`` at a plain port a handshake timing out on every call."""
+    with _tls_server(tmp_path, auth_clients=False) as (server, tls_port, files):
+        with pytest.raises(ConfigError, match=rf"speaks TLS on port {tls_port}.*use a rediss://"):
+            _open({"url": f"redis://127.0.0.1:{tls_port}/0"})
+        with pytest.raises(
+            ConfigError, match=rf"speaks plain TCP on port {server.port}, not TLS; use a redis://"
+        ):
+            _open(
+                {
+                    "url": f"rediss://127.0.0.1:{server.port}/0",
+                    "tls_ca_file": files["ca.crt"],
+                    "timeout_s": 1.0,
+                }
+            )
+    assert "calls will fail" not in caplog.text
 
 
 def test_a_unix_socket_url_reaches_the_server() -> None:
@@ -402,9 +536,11 @@ def test_an_error_reply_in_the_middle_of_a_batch_raises_and_keeps_replies_in_ste
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
-def test_a_key_that_holds_no_string_reads_as_a_miss_and_the_rest_of_the_batch_loads(
+def test_a_key_that_holds_no_string_fails_as_unreadable_and_the_rest_of_the_batch_loads(
     cluster: bool, request: pytest.FixtureRequest
 ) -> None:
+    """A list under a page's key is stored but can never load: ``WRONG_SIZE``, so the
+    connector deletes it and the next save writes the page."""
     store: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"wrongtype/{time.monotonic_ns()}/"
     backend = _open({**store.options, "key_prefix": prefix})
@@ -415,7 +551,38 @@ def test_a_key_that_holds_no_string_reads_as_a_miss_and_the_rest_of_the_batch_lo
     bufs = [bytearray(b"\xee" * 3) for _ in range(3)]
     assert backend.get(["a", "b", "c"], bufs) == [True, False, True]
     assert bufs == [b"aaa", b"\xee" * 3, b"ccc"]
+    bufs = [bytearray(b"\xee" * 3) for _ in range(3)]
+    assert backend.read(["a", "b", "c"], bufs, scratch=True) == [
+        ReadStatus.LOADED,
+        ReadStatus.WRONG_SIZE,
+        ReadStatus.LOADED,
+    ]
+    assert bufs == [b"aaa", b"\xee" * 3, b"ccc"]
     backend.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
+    cluster: bool, request: pytest.FixtureRequest
+) -> None:
+    """Redis answers every key it is asked about, so it can always tell the two apart;
+    it never says ``UNREACHABLE`` (a server it cannot reach raises for the whole call)."""
+    store: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
+    backend = _open({**store.options, "key_prefix": f"status/{uuid.uuid4().hex}/"})
+    try:
+        backend.put(["six", "ok"], [b"sixsix", b"ok"])
+        for scratch in (False, True):
+            bufs = [bytearray(5), bytearray(7), bytearray(6), bytearray(2)]
+            assert backend.read(["six", "six", "absent", "ok"], bufs, scratch=scratch) == [
+                ReadStatus.WRONG_SIZE,
+                ReadStatus.WRONG_SIZE,
+                ReadStatus.MISSING,
+                ReadStatus.LOADED,
+            ]
+            assert bufs[:3] == [bytearray(5), bytearray(7), bytearray(6)]  # untouched
+            assert bufs[3] == b"ok"
+    finally:
+        backend.close()
 
 
 def _node_for(store: Any, key: str) -> RedisServer:
@@ -815,6 +982,168 @@ def test_connections_to_a_node_that_left_the_slot_map_are_closed(
     assert backend.get(keys, bufs) == [True] * 64
     assert _client_connections(own_cluster.nodes[source], settle=0) == 0
     backend.close()
+
+
+def _slots_of(cluster: RedisCluster, node: int) -> list[int]:
+    ranges: Any = cluster.nodes[0].command("CLUSTER", "SLOTS")
+    return [
+        slot
+        for first, last, primary, *_ in ranges
+        if primary[1] == cluster.ports[node]
+        for slot in range(first, last + 1)
+    ]
+
+
+def _hand_over_empty_slots(
+    cluster: RedisCluster, slots: list[int], source: int, target: int
+) -> None:
+    """Give ``source``'s ``slots`` (holding no keys) to ``target``, telling every node.
+
+    One slot goes through IMPORTING first: the target then takes a new configuration
+    epoch when it is told it owns it, so a ping the source sent before it was told (still
+    claiming the slots, under its older epoch) cannot give them back to it.
+    """
+    _begin_migration(cluster, slots[0], source, target)
+    target_id = _text(cluster.nodes[target].command("CLUSTER", "MYID"))
+    # An emptied master would otherwise turn itself into a replica of the new owner as
+    # soon as gossip tells it, refusing the SETSLOTs still on their way to it.
+    cluster.nodes[source].command("CONFIG", "SET", "cluster-allow-replica-migration", "no")
+    for node in (target, source, *(i for i in range(3) if i not in (source, target))):
+        replies = _pipelined(
+            cluster.ports[node], [["CLUSTER", "SETSLOT", s, "NODE", target_id] for s in slots]
+        )
+        assert set(replies) == {b"+OK"}, set(replies)
+
+
+def _keys_in(slots: set[int], count: int, tag: str) -> list[str]:
+    keys = (f"{tag}/{i}" for i in range(100_000))
+    return [k for k in keys if key_slot(k.encode()) in slots][:count]
+
+
+def test_a_connection_another_thread_had_out_when_its_node_left_the_map_is_closed_on_return(
+    own_cluster: RedisCluster,
+) -> None:
+    """The node table changes while a batch routed by the old one is still on the node.
+
+    That batch's connection is in use when the batch that sees the new table closes the
+    departed node's idle ones; it must be closed once it comes back, not left open for
+    the life of the process (redis-py marks it for reconnection only when the departed
+    node happens to be the one it re-read the map from).
+    """
+    backend = _open({**own_cluster.options, "timeout_s": 60.0})
+    source, target = 2, 1  # not node 0: that is the seed the map is read from
+    slots = _slots_of(own_cluster, source)
+    leaving = _keys_in(set(slots), 40, "retire")
+    assert backend.exists([f"warm-up/{i}" for i in range(48)]) == [False] * 48  # every node
+    held: list[object] = []
+    writes = _PausedWrites(own_cluster.nodes[source])
+    writes.hold()
+    try:
+        # A put to the leaving node, parked there: its connection stays out until released.
+        putter = threading.Thread(target=lambda: held.append(backend.put(leaving[:1], [b"held"])))
+        putter.start()
+        deadline = time.monotonic() + 30
+        while writes.holding() < 1:
+            assert putter.is_alive() and time.monotonic() < deadline, held
+            time.sleep(0.005)
+        _hand_over_empty_slots(own_cluster, slots, source, target)  # none holds a key yet
+        # Reads are not paused: MOVED replies make this batch read the new map, without
+        # the source node, and close the source node's idle connections.
+        assert backend.exists(leaving[1:]) == [False] * 39
+        assert putter.is_alive()
+        assert _client_connections(own_cluster.nodes[source], settle=1) == 1  # the held one
+    finally:
+        writes.release()
+    putter.join(timeout=60)
+    assert held == [[True]]  # MOVED on release: stored where the slot went
+    assert own_cluster.nodes[target].command("GET", leaving[0]) == b"held"
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    buf = bytearray(4)
+    assert backend.get(leaving[:1], [buf]) == [True] and buf == b"held"
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    backend.close()
+
+
+def test_threads_get_right_answers_while_a_node_hands_all_its_slots_over(
+    own_cluster: RedisCluster,
+) -> None:
+    """MOVED, ASK and re-reads of the slot map, raced by batches from several threads.
+
+    The keys read are moved while threads read them (ASK, then MOVED); the keys written
+    stay on the other nodes, since a key created mid-migration on the leaving node would
+    not be in the MIGRATE list. Every answer must be right and no call may fail, and the
+    node that left ends with no connection from the backend.
+    """
+    backend = _open({**own_cluster.options, "timeout_s": 30.0})
+    source, target = 2, 1
+    slots = _slots_of(own_cluster, source)
+    moving = _keys_in(set(slots), 30, "moving")
+    staying_slots = set(range(16384)) - set(slots)
+    values = [_value(i, 3000 + 100 * i) for i in range(len(moving))]
+    assert backend.put(moving, values) == [True] * len(moving)
+    done = threading.Event()
+    problems: list[str] = []
+    rounds = [0] * 4
+    finish_at: dict[int, int] = {}  # each thread's last round: a few after the move
+
+    def work(t: int) -> None:
+        try:
+            r = 0
+            while not done.is_set() or r < finish_at.get(t, 0):
+                own = _keys_in(staying_slots, 12, f"stay/{t}/{r}")
+                own_values = [_value(t * 1000 + r * 12 + i, 2000 + i) for i in range(12)]
+                assert backend.put(own, own_values) == [True] * 12
+                batch = own + moving
+                expected = own_values + values
+                assert backend.exists(batch) == [True] * len(batch)
+                bufs = [bytearray(len(v)) for v in expected]
+                assert backend.get(batch, bufs, scratch=r % 2 == 0) == [True] * len(batch)
+                assert [bytes(b) for b in bufs] == expected, f"round {r}: a value crossed"
+                r += 1
+                rounds[t] = r
+        except BaseException as exc:
+            problems.append(f"thread {t}: {exc!r}\n{traceback.format_exc()}")
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for worker in workers:
+        worker.start()
+    try:
+        by_slot: dict[int, list[str]] = {}
+        for key in moving:
+            by_slot.setdefault(key_slot(key.encode()), []).append(key)
+        for slot, slot_keys in by_slot.items():
+            _begin_migration(own_cluster, slot, source, target)
+            _move_keys(own_cluster, source, target, slot_keys)
+        _hand_over_empty_slots(own_cluster, slots, source, target)
+        finish_at.update({t: r + 3 for t, r in enumerate(rounds)})
+    finally:
+        done.set()
+        for worker in workers:
+            worker.join(timeout=120)
+    assert not problems, problems
+    assert not any(w.is_alive() for w in workers)
+    assert own_cluster.nodes[source].command("DBSIZE") == 0
+    assert _client_connections(own_cluster.nodes[source], settle=0) == 0
+    backend.close()
+
+
+def test_closing_a_cluster_backend_closes_its_connections_and_a_late_call_opens_none(
+    own_cluster: RedisCluster,
+) -> None:
+    """close() leaves no connection open, and a call already past the backend's closed
+    check when it ran must not build a new cluster client, which nothing would close.
+
+    (redis-py's ``RedisCluster.close`` leaves the node pools it was given open.)
+    """
+    backend: Any = _open(own_cluster.options)
+    assert backend.exists([f"close/{i}" for i in range(48)]) == [False] * 48  # every node
+    assert all(_client_connections(node) >= 1 for node in own_cluster.nodes)
+    client = backend._client  # where a call goes once past RedisBackend's check
+    backend.close()
+    with pytest.raises(BackendError, match="closed"):
+        client.exists(["late/call"])
+    assert client._cluster is None
+    assert [_client_connections(node, settle=0) for node in own_cluster.nodes] == [0, 0, 0]
 
 
 def test_cluster_mode_aimed_at_a_plain_server_is_a_configuration_error(
@@ -1318,9 +1647,84 @@ def test_a_user_who_may_not_write_or_read_is_refused_at_start_up(
             redis_server.command("ACL", "DELUSER", user)
 
 
+def test_an_acl_user_confined_to_other_keys_than_the_connectors_is_refused_at_start_up(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 15: without a key_prefix the probe could not tell which keys kvconn would
+    use, so a user confined to ``~other/*`` started, and every call was then refused
+    (a warning and a miss each). Told the connector's namespace and model, the probe
+    uses a key of that shape."""
+    redis_server.command("ACL", "SETUSER", "kvelse", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        options = {**redis_server.options, "username": "kvelse", "password": "pass"}
+        with pytest.raises(
+            ConfigError,
+            match=r"ACL user 'kvelse' has no permission for keys under 'kvconn/m%C3%A8le/' "
+            r"\(key_prefix '', then kvconn's namespace and model 'kvconn/m%C3%A8le/'\)"
+            r".*key patterns",
+        ):
+            load_backend("redis", options, key_prefix=key_prefix("kvconn", "m\u00e8le"))
+        with pytest.raises(ConfigError, match="under key_prefix 'tenant/'"):
+            load_backend(
+                "redis", {**options, "key_prefix": "tenant/"}, key_prefix=key_prefix("kvconn", "m")
+            )
+        # The same user, in the namespace its patterns allow, or with a key_prefix that
+        # puts kvconn's keys there
+        for extra, namespace in (({}, "other"), ({"key_prefix": "other/"}, "kvconn")):
+            allowed = load_backend(
+                "redis", {**options, **extra}, key_prefix=key_prefix(namespace, "m")
+            )
+            assert allowed.put([f"{key_prefix(namespace, 'm')}a"], [b"x"]) == [True]
+            allowed.close()
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvelse")
+
+
+def test_kvconn_simulate_refuses_an_acl_user_confined_to_other_keys_before_any_rank_starts(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvconn.tools.cli import main
+
+    redis_server.command("ACL", "SETUSER", "kvsim", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        monkeypatch.setenv("KVCONN_OPTION_PASSWORD", "pass")
+        argv = ["simulate", "--backend", "redis", "-o", f"url={redis_server.url}"]
+        assert main([*argv, "-o", "username=kvsim", "--tp", "1", "--layers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "ACL user 'kvsim' has no permission for keys under 'kvconn/minimax-m3/'" in err
+        assert len(err.strip().splitlines()) == 1, err
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvsim")
+
+
 def test_without_redis_py_the_backend_names_the_extra_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis now fails
     with pytest.raises(BackendDependencyMissing, match=r"pip install 'kvconn\[redis\]'"):
         load_backend("redis", {"url": "redis://127.0.0.1:1/0"})
+
+
+def test_a_connector_for_an_acl_user_confined_to_other_keys_fails_at_start_up(
+    redis_server: RedisServer,
+) -> None:
+    """Issue 15: an engine builds a Connector (and its scheduler a Lookup) from config;
+    both must refuse the user at start-up, not serve every call as a miss."""
+    from kvconn.connector import Connector
+    from kvconn.lookup import Lookup
+    from kvconn.tools.models import minimax_m3
+
+    redis_server.command("ACL", "SETUSER", "kvother", "reset", "on", ">pass", "~other/*", "+@all")
+    try:
+        config = {
+            "model": "m",
+            "backend": "redis",
+            "options": {**redis_server.options, "username": "kvother", "password": "pass"},
+        }
+        layout = minimax_m3(tp_size=2)
+        for build in (lambda: Connector(config, layout), lambda: Lookup(config, layout)):
+            with pytest.raises(ConfigError, match=r"ACL user 'kvother'.*'kvconn/m/'"):
+                build()
+        Connector({**config, "namespace": "other"}, layout).close()  # its patterns allow it
+    finally:
+        redis_server.command("ACL", "DELUSER", "kvother")

@@ -16,11 +16,13 @@ from typing import Any
 
 import lmdb
 import pytest
+import torch
 
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
 from kvconn.tools.cli import main
 from kvconn.tools.models import PRESETS, get_preset, load_preset, minimax_m3
+from kvconn.tools.simulate.report import format_report
 from kvconn.tools.simulate.synth import Synth
 from kvconn.tools.simulate.workload import WorkloadSpec, generate
 
@@ -94,6 +96,12 @@ def test_the_json_report_has_every_documented_key(minimax_run):
         "pages_loaded",
         "pages_verified",
         "errors",
+        "striped",
+        "bytes_read_by_rank",
+        "bytes_received_by_rank",
+        "bytes_read",
+        "bytes_read_unstriped",
+        "read_saving",
     }
     assert required <= set(report)
     assert len(report["bytes_written_by_rank"]) == 8
@@ -136,6 +144,104 @@ def test_a_second_run_on_the_same_store_hits_what_the_first_stored(capsys, tmp_p
     assert second["bytes_stored"] == 0
     assert second["saving"] is None  # nothing written: nothing to compare
     assert second["errors"] == 0 and second["pages_verified"] > first["pages_verified"]
+
+
+def test_a_rerun_that_adds_nothing_reports_what_the_store_holds_for_the_model(capsys, tmp_path):
+    """Issue 15: the second run's "0 bytes stored" read as a broken run. It is what the
+    run *added*; the report also says what the store holds for the model."""
+    from kvconn.tools.simulate.report import format_report
+
+    store = tmp_path / "store"
+    _, first = simulate(capsys, store)
+    _, second = simulate(capsys, store)
+    assert first["bytes_in_store"] == first["bytes_stored"] > 0
+    assert first["pages_in_store"] == first["pages_written"]
+    assert second["bytes_stored"] == 0
+    assert (second["bytes_in_store"], second["pages_in_store"]) == (
+        first["bytes_stored"],
+        first["pages_written"],
+    )
+    assert second["store_prefix"] == "kvconn/minimax-m3/"
+    assert main(["inspect", "--path", str(store), "--json"]) == 0  # the same figure
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert (model["pages"], model["bytes"]) == (second["pages_in_store"], second["bytes_in_store"])
+    table = format_report(second)
+    assert "  stored by this run             0 B   (pages 0 B" in table
+    assert f"{second['pages_in_store']:,} pages under kvconn/minimax-m3/" in table
+
+
+# ---------------------------------------------------------------- across TP sizes
+def test_with_shard_heads_a_tp4_run_loads_and_verifies_what_a_tp8_run_stored(capsys, tmp_path):
+    """8 KV heads written at TP=8 and read at TP=4: with shard_heads = 8 each TP=4 rank
+    loads two head shards per block and has nothing left to store; without it, a clean
+    miss (the TP=4 run hits only what it stores itself)."""
+    store = tmp_path / "store"
+    llama = ("--model", "llama-3.1-70b")
+    _, written = simulate(capsys, store, *llama, "--tp", "8", "--shard-heads", "8")
+    code, read = simulate(capsys, store, *llama, "--tp", "4", "--shard-heads", "8")
+    assert code == 0 and read["errors"] == 0 and read["shard_heads"] == 8
+    assert read["hit_tokens"] > written["hit_tokens"]
+    assert read["pages_verified"] == read["pages_loaded"] > 0
+    assert read["bytes_stored"] == 0  # every page it would write was stored at TP=8
+    assert "K/V pages cut at 8 head shards" in format_report(read)
+    _, alone = simulate(capsys, store, *llama, "--tp", "4")
+    assert alone["hit_tokens"] == written["hit_tokens"]  # the workload's own reuse only
+    assert alone["payload_bytes_stored"] == written["payload_bytes_stored"]
+
+
+def test_with_shard_heads_a_tp8_run_loads_and_verifies_what_a_tp4_run_stored(capsys, tmp_path):
+    store = tmp_path / "store"
+    _, written = simulate(capsys, store, "--tp", "4", "--shard-heads", "8")
+    code, read = simulate(capsys, store, "--tp", "8", "--shard-heads", "8")
+    assert code == 0 and read["errors"] == 0
+    assert read["hit_tokens"] > written["hit_tokens"] and read["bytes_stored"] == 0
+    assert read["pages_verified"] == read["pages_loaded"] > 0
+    # MiniMax-M3's index-K is replicated: read once per TP=8 group, as at any TP
+    assert read["bytes_read"] == read["bytes_read_unstriped"] * (512 + 256 / 8) // 768
+
+
+def test_synthetic_head_shards_agree_across_tp_sizes():
+    """A TP=4 rank's bytes of a region are TP=8 ranks 2j's and 2j+1's, one after the
+    other, when pages are cut at 8 head shards: the bytes real ranks would hold."""
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    at8 = minimax_m3(tp_size=8, layers=1)
+    at4 = minimax_m3(tp_size=4, layers=1)
+    for r8, r4 in zip(at8.groups[0].regions, at4.groups[0].regions):
+        halves = [Synth(at8, rank, "m", 8).region_bytes(hashes, r8) for rank in (2, 3)]
+        whole = Synth(at4, 1, "m", 8).region_bytes(hashes, r4)
+        if r4.role == "index_k":
+            assert torch.equal(whole, halves[0])
+        else:
+            assert torch.equal(whole, torch.cat(halves, dim=1))
+
+
+# ---------------------------------------------------------------- striped reads
+def test_striped_ranks_read_each_deepseek_page_once_per_group_an_eighth_of_unstriped(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    simulate(capsys, store, "--model", "deepseek-v3.2")
+    code, striped = simulate(capsys, store, "--model", "deepseek-v3.2")
+    _, alone = simulate(capsys, store, "--model", "deepseek-v3.2", "--no-stripe")
+    assert code == 0 and striped["errors"] == alone["errors"] == 0
+    assert striped["striped"] and not alone["striped"]
+    assert striped["bytes_loaded"] == alone["bytes_loaded"] > 0  # the same warm loads
+    # every byte loaded came from the store once for the group, from the group otherwise
+    assert striped["bytes_read"] * 8 == alone["bytes_read"] == striped["bytes_read_unstriped"]
+    assert striped["read_saving"] == pytest.approx(0.875)
+    assert alone["bytes_read_by_rank"] == [alone["bytes_read"] // 8] * 8
+    assert sum(alone["bytes_received_by_rank"]) == 0
+    assert "store reads saved 87.5%" in format_report(striped)
+
+
+def test_striped_minimax_ranks_read_their_own_kv_and_an_eighth_of_the_index_k(capsys, tmp_path):
+    store = tmp_path / "store"
+    simulate(capsys, store)
+    _, report = simulate(capsys, store)
+    unstriped = report["bytes_read_unstriped"]
+    # K/V (512 B/token per rank) read by each rank, index-K (256) once per group
+    assert report["bytes_read"] == unstriped * (512 + 256 / 8) // 768
+    assert report["read_saving"] == pytest.approx(1 - (512 + 32) / 768)
 
 
 # ---------------------------------------------------------------- write ownership
@@ -278,6 +384,34 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         load_preset(path)
 
 
+# ---------------------------------------------------------------- replica checks
+def test_an_injected_index_k_mismatch_is_found_at_the_first_save_and_no_load_differs(
+    capsys, tmp_path
+):
+    store = tmp_path / "store"
+    code, report = simulate(capsys, store, "--tp", "4", "--inject-mismatch", "index_k:1")
+    assert code == 0 and report["errors"] == 0 and report["pages_verified"] > 0
+    assert report["mismatch_injected"] == "index_k:1"
+    assert report["replica_mismatch"] > 0 and report["replicas_verified"] == 0
+    assert report["per_rank_kinds"] == ["lg0/replicated"]
+    # index-K is stored per rank from the first save on: every rank's own copy
+    written = report["pages_written_by_role"]
+    assert written["index_k"] == written["k"]
+    # a second run adopts the store's marker at start-up and hits what the first stored
+    code, again = simulate(capsys, store, "--tp", "4", "--inject-mismatch", "index_k:1")
+    assert code == 0 and again["errors"] == 0 and again["hit_tokens"] > 0
+    assert again["per_rank_kinds"] == ["lg0/replicated"] and again["replica_mismatch"] == 0
+
+
+def test_without_a_mismatch_the_first_save_verifies_and_nothing_is_keyed_per_rank(capsys, tmp_path):
+    code, report = simulate(capsys, tmp_path / "store", "--tp", "4")
+    assert code == 0 and report["errors"] == 0
+    assert report["replicas_verified"] > 0 and report["replica_mismatch"] == 0
+    assert report["per_rank_kinds"] == []
+    _, off = simulate(capsys, tmp_path / "other", "--tp", "4", "--verify-replicas-every", "0")
+    assert off["replicas_verified"] == 0 and off["verify_replicas_every"] == 0
+
+
 # ---------------------------------------------------------------- bad options
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -290,9 +424,11 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["--layers", "100"], "has 60 layers; --layers must be between 1 and 60"),
         (["--model", "qwen3-235b-a22b", "--tp", "3"], "cannot run at TP=3: role 'k' has 4 units"),
         (["--option", "map_size"], "--option expects KEY=VALUE"),
-        (["--option", "mapsize=1"], "unknown option(s) mapsize; accepted: path, map_size"),
+        (["--option", "mapsize=1"], "unknown option(s): mapsize; known: map_size, max_map_size"),
         (["--system-tokens", "9:3"], "0 <= MIN <= MAX"),
         (["--evict-rate", "2"], "evict rate must be within [0, 1]"),
+        (["--shard-heads", "4"], "shard_heads=4 is not a multiple of TP=8's 8 shards of role"),
+        (["--shard-heads", "0"], "shard_heads must be a number of head shards between 1"),
         # absurd sizes (issue 11): refused before any rank process starts
         (["--tp", "100000"], "--tp must be an int between 1 and 128, got 100000"),
         (["--tokens-per-block", "100000"], "--tokens-per-block must be an int between 1 and"),
@@ -301,6 +437,10 @@ def test_a_layout_file_with_an_unknown_key_is_refused(tmp_path):
         (["-o", "sync=no"], "lmdb: sync must be true or false, got 'no'"),
         (["-o", "max_readers=-1"], "lmdb: max_readers must be an int between 1 and 65536"),
         (["-o", "path=''"], "lmdb: path must be a non-empty directory path"),
+        (["--inject-mismatch", "index_k"], "--inject-mismatch expects ROLE:RANK"),
+        (["--inject-mismatch", "latent:1"], "has no role 'latent'; its roles: k, v, index_k"),
+        (["--inject-mismatch", "index_k:8"], "rank 8 is not a rank of TP=8"),
+        (["--verify-replicas-every", "-1"], "verify_replicas_every must be an int between 0"),
     ],
 )
 def test_bad_options_fail_fast_with_a_clear_message(capsys, tmp_path, args, message):

@@ -17,6 +17,7 @@ from kvconn.hashing import block_hashes
 from kvconn.integrity import PageChecksum
 from kvconn.keys import parse_manifest_key
 from kvconn.results import LoadResult, Outcome, SaveResult
+from kvconn.slots import slot_map
 from kvconn.tools.models import minimax_m3
 from kvconn.transfer import SaveRequest, Transfer, TransferService
 from tests.fakes import DictBackend, GatedBackend
@@ -123,7 +124,9 @@ def test_at_the_staging_ceiling_new_saves_are_dropped_and_counted(services):
     layout = minimax_m3(tp_size=1)
     store = GatedBackend()
     (conn,) = tp_group(layout, store)
-    one_save = conn.capture_bytes(conn.owned_pages(HASHES[:2]))
+    one_save = conn.capture_bytes(
+        conn.owned_pages(HASHES[:2], slot_map(layout, SLOTS[:2], HASHES[:2]))
+    )
     service = service_for(conn, services, inflight_bytes=one_save)
     store.hold("exists")
     first = service.save(HASHES[:2], SLOTS[:2], tag="fits")
@@ -233,7 +236,10 @@ def test_loads_wait_for_staging_room_instead_of_failing(services):
     store = GatedBackend()
     (conn,) = tp_group(layout, store)
     conn.save(HASHES[:2], SLOTS[:2])
-    room = max(conn.load_bytes(2), conn.capture_bytes(conn.owned_pages(OTHER[:2])))
+    room = max(
+        conn.load_bytes(2),
+        conn.capture_bytes(conn.owned_pages(OTHER[:2], slot_map(layout, [40, 41], OTHER[:2]))),
+    )
     service = service_for(conn, services, inflight_bytes=room)
     store.hold("exists")
     save = service.save(OTHER[:2], [40, 41])  # holds all the room while the store stalls

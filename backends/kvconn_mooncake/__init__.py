@@ -5,15 +5,30 @@ zero-copy batch calls. Options, configuration through ``MOONCAKE_CONFIG_PATH`` /
 ``MOONCAKE_*``, the storage process data needs, and logging: ``docs/backends.md``.
 Return codes and fault behaviour, as measured: ``docs/notes/mooncake-api.md``.
 
-One concern per module:
+One concern per module, each importing only those listed after it (a test parses the
+imports and keeps it so), so data flows one way and nothing calls back into its caller:
 
+* :mod:`._transfer` - exists / put / get / delete over the zero-copy calls; runs what
+  the fail-over policy decides for keys that failed;
+* :mod:`._session` - the client's set-up behind a master probe, calls in flight, close;
+* :mod:`._failover` - the fail-over policy: for a read or put that failed on a dead
+  storage process, another copy, a final status, or live segments to put to;
+* :mod:`._memory` - registered memory, the scratch area, rounds of a batch;
+* :mod:`._replicas` - where a key's copies lie; reading one from a chosen copy through
+  the shared transfer engine, and the endpoints that failed lately;
 * :mod:`._config` - the options, merged with Mooncake's own settings, checked;
 * :mod:`._library` - loading Mooncake's library with its INFO logging off;
-* :mod:`._session` - the client's set-up behind a master probe, calls in flight, close;
-* :mod:`._memory` - registered memory, the scratch area, rounds of a batch;
-* :mod:`._transfer` - exists / put / get / delete over the zero-copy calls;
-* :mod:`._failover` - reads from a live replica, puts rerouted off a dead segment;
-* :mod:`._codes` - Mooncake's result codes sorted into miss, failure and outage.
+* :mod:`._counters`, :mod:`._codes` - the counters; Mooncake's result codes sorted into
+  miss, failure and outage.
+
+(:mod:`._memory` reads the session's state through its ``Client`` protocol: the one
+place a lower module still asks its owner something.)
+
+Threads: one backend may be called from several threads at once
+(``Capabilities.thread_safe``): the client allows it and releases the GIL while it works;
+what the backend keeps besides (registered ranges, scratch areas, counters, the live
+segments and failed endpoints of fail-over) changes under locks never held across a
+call to the client; see :mod:`._session` and :mod:`._memory`.
 
 No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 ``MooncakeBackend.counters`` counts what each path did (``put_zero_copy``,
@@ -24,14 +39,14 @@ No listing: the client has no API to enumerate keys (only ``remove_by_regex``).
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvconn.backend import Backend, Capabilities, as_bytes_view
+from kvconn.backend import Backend, Capabilities, ReadStatus, as_bytes_view
 from kvconn.errors import BackendDependencyMissing
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig, make_config
+from kvconn_mooncake._counters import Counters
 from kvconn_mooncake._session import Session
 from kvconn_mooncake._transfer import Transfers
 
@@ -44,7 +59,9 @@ class MooncakeBackend(Backend):
     name: ClassVar[str] = "mooncake"
     extra: ClassVar[str | None] = "mooncake"
     client_modules: ClassVar[tuple[str, ...]] = ("mooncake.store",)
-    capabilities: ClassVar[Capabilities] = Capabilities(buffer_registration=True, delete=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        buffer_registration=True, delete=True, thread_safe=True
+    )
 
     def __init__(
         self,
@@ -76,7 +93,7 @@ class MooncakeBackend(Backend):
         self.config: MooncakeConfig = make_config(options)
         #: What each path did, per key or call: lets tests and operators see that the
         #: zero-copy path is taken and why saves were dropped or loads failed.
-        self.counters: Counter[str] = Counter()
+        self.counters = Counters()
         self._session = Session(mooncake_store, self.config, self.counters)
         self._transfers = Transfers(self._session, self.counters)
         self._session.start()
@@ -131,9 +148,18 @@ class MooncakeBackend(Backend):
         return self._transfers.put(keys, values)
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        loaded = ReadStatus.LOADED
+        return [s is loaded for s in self._read_status(keys, buffers, scratch=scratch)]
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """Why each key did not load, as the transfer learned it (:mod:`._transfer`):
+        ``MISSING``, ``WRONG_SIZE``, or ``UNREACHABLE`` for a key no copy of which could
+        be fetched (its storage process died; the master still lists it)."""
         if scratch:
-            return self._transfers.get_scratch(keys, buffers)
-        return self._transfers.get(keys, buffers)
+            return self._transfers.read_scratch(keys, buffers)
+        return self._transfers.read(keys, buffers)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._transfers.delete(keys)

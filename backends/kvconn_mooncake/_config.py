@@ -152,7 +152,10 @@ def parse_size(value: object, where: str) -> int:
     if isinstance(value, float) and math.isfinite(value) and value >= 0 and value.is_integer():
         return int(value)
     if isinstance(value, str):
-        size = parse_bytes(value)
+        try:
+            size = parse_bytes(value)
+        except ConfigError as exc:  # a fraction of a byte
+            raise ConfigError(f"mooncake: {where}: {exc}") from None
         if size is not None:
             return size
     raise ConfigError(

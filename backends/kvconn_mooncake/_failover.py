@@ -1,331 +1,154 @@
-"""Reads from a surviving replica while the master still lists a dead one.
+"""The fail-over policy: what to do with a key whose copy sits on a dead storage process.
 
 Measured with ``mooncake-transfer-engine`` 0.3.13 (``docs/notes/mooncake-api.md``): when
 a storage process dies, the master keeps its segment for ``client_ttl`` (10 s by
 default). Meanwhile ``batch_get_into`` keeps choosing the dead replica of an object that
 has a live one too: every such key fails with ``-800`` after a ~0.5 s connect timeout,
-call after call, so ``replica_num=2`` protected nothing during that window.
+call after call, so ``replica_num=2`` protected nothing during that window. Puts the
+master places on the dead segment fail the same way (``-800``, the key stays absent).
 
-The client cannot be told which replica to read, but the replica descriptors the backend
-already fetches for its size check (``batch_get_replica_desc``, which also takes the read
-lease, so the object cannot be evicted or removed meanwhile) say where every copy lies.
-With the transfer engine the client was set up with, :class:`ReplicaReader` reads a
-failed key from another copy, remembers which endpoints failed, and lets the backend
-send later reads of keys with a copy there straight to a live copy, without paying the
-timeout again. Keys whose only copy is gone read False: a failed load that the engine
-recomputes.
+This module only decides; the layer that runs the batches asks it about each key that
+failed and carries the answer out (reads another copy with
+:class:`~kvconn_mooncake._replicas.ReplicaReader`, counts, records the key's status,
+puts again). Its answers are data, and it calls nothing of the layers above it:
 
-Puts the master places on the dead segment fail the same way (``-800``, the key stays
-absent); :meth:`Failover.reroute_puts` puts them once more, preferring the segments
-that took the batch's other keys.
+* a read whose transfer failed (:func:`after_failed_transfer`) or whose copies were
+  just described (:func:`after_description`) gets a :class:`Verdict`: read another
+  copy, or the key's final status, with the endpoints its only copy failed on, to be
+  avoided from then on;
+* a read whose copies lie partly on an endpoint known to fail skips the client, which
+  might pick that copy, and goes straight to a live copy (:func:`bypass_client`);
+* puts that failed with ``-800`` are put once more preferring the segments that took
+  the batch's other keys, or a recent batch's (:class:`Reroute`).
+
+Keys whose only copy is gone, or every copy, read ``UNREACHABLE``: a failed load that
+the engine recomputes, of a page that is kept (its bytes are not at fault; another copy
+or the master dropping the dead segment settles it).
+
+Threads: the functions are pure; :class:`Reroute`'s one piece of state is replaced
+whole and read once, so threads never mix two answers.
 """
 
 from __future__ import annotations
 
-import logging
-import socket
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
 
-from kvconn.errors import BackendError
+from kvconn.backend import ReadStatus
 from kvconn_mooncake import _codes as codes
+from kvconn_mooncake._replicas import AVOID_S, Stored
 
-if TYPE_CHECKING:  # _transfer uses this module: only its types are needed here
-    from kvconn_mooncake._transfer import Pending, Transfers
-
-log = logging.getLogger(__name__)
-
-#: How long an endpoint that failed a transfer is avoided. The master drops a dead
-#: segment after its ``client_ttl`` (default 10 s), after which descriptors stop naming
-#: it; longer than that, so a dead endpoint costs one timeout, not one per ttl.
-AVOID_S = 30.0
+#: Keys of a batch whose copies are asked for to learn which segments are alive: a few
+#: suffice (each names its segment), and the question costs one RPC whatever it asks.
+WITNESSES = 8
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One complete in-memory replica: the segment's endpoint and the object's address."""
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The policy's answer for one key whose read failed.
 
-    endpoint: str
-    address: int
-
-
-@dataclass(frozen=True)
-class Stored:
-    """What the size check learned about a key: its size and where its copies lie."""
-
-    size: int
-    copies: tuple[Copy, ...] = ()
-
-
-@dataclass
-class Read:
-    """One key to read from a replica into ``address`` (registered or scratch memory)."""
-
-    key: str
-    address: int
-    size: int
-    copies: tuple[Copy, ...]
-    tried: int = 0  # how many of ``copies`` (in :meth:`ReplicaReader.order`) failed
-
-
-def make_engine(
-    module: Any, hostname: str, metadata: str, protocol: str, devices: str, *, attempts: int = 3
-) -> tuple[Any, str] | None:
-    """A transfer engine for the client to share and its name, or None if it cannot start.
-
-    The client is then set up with it (``setup(name, ..., engine)``), so memory the
-    backend registers with the client is registered with this engine too, which RDMA
-    reads need. Each engine publishes itself in the metadata server under ``host:port``:
-    a bare host would collide between the processes of one machine (initialize() then
-    fails with -1), so a free port is picked, as the client does for its own engine. The
-    client must be set up under that same name, or peers reading a segment this client
-    mounts look for it under a name nobody serves (measured: ``-800``).
+    ``status`` None: read the key from another of its copies. Otherwise the key's
+    outcome, and ``dead``: the endpoints of its only copy, which failed, so that keys
+    with a copy there and another elsewhere are read from the other from now on.
     """
-    host = bare_host(hostname)
-    code: object = None
-    for _ in range(attempts):
-        name = f"{host}:{_free_port()}"
-        try:
-            engine = module.TransferEngine()
-            code = engine.initialize(name, metadata, protocol, devices)
-        except Exception as exc:
-            code = repr(exc)
-            continue
-        if code == 0:
-            return engine, name
-    log.warning("kvconn: mooncake replica fail-over is off: engine initialize() gave %s", code)
-    return None
+
+    status: ReadStatus | None
+    dead: tuple[str, ...] = ()
+
+    @property
+    def retry(self) -> bool:
+        return self.status is None
 
 
-def bare_host(hostname: str) -> str:
-    """``host`` of ``host``, ``host:port``, ``[v6]`` or ``[v6]:port``."""
-    if hostname.startswith("["):
-        return hostname[: hostname.index("]") + 1] if "]" in hostname else hostname
-    host, sep, port = hostname.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
-        return host
-    return hostname
+#: Read the key from another copy.
+RETRY = Verdict(None)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])
+def after_failed_transfer(stored: Stored | None) -> Verdict:
+    """A read through the client failed to transfer (``-800``).
+
+    The chosen copy's process is gone but the master still lists it. With copies not
+    yet known (a read that skipped the size query) or more than one, try the others.
+    With one, there is nothing to fail over to: the key is ``UNREACHABLE`` and its
+    endpoint dead.
+    """
+    if stored is None or len(stored.copies) > 1:
+        return RETRY
+    return Verdict(ReadStatus.UNREACHABLE, _endpoints(stored))
 
 
-class ReplicaReader:
-    """Reads keys from explicit replicas through the client's transfer engine."""
+def after_description(stored: Stored | None, size: int) -> Verdict:
+    """A read that failed unchecked, once its copies were described.
 
-    def __init__(self, engine: Any, *, avoid_s: float = AVOID_S) -> None:
-        self.engine = engine
-        self.avoid_s = avoid_s
-        self._lock = threading.Lock()
-        self._failed: dict[str, float] = {}  # endpoint -> avoid until (monotonic)
-
-    def failed_endpoints(self) -> set[str]:
-        """Endpoints to avoid now (a transfer from them failed in the last ``avoid_s``)."""
-        now = time.monotonic()
-        with self._lock:
-            for endpoint in [e for e, until in self._failed.items() if until <= now]:
-                del self._failed[endpoint]
-            return set(self._failed)
-
-    def mark_failed(self, endpoints: Iterable[str]) -> None:
-        until = time.monotonic() + self.avoid_s
-        with self._lock:
-            for endpoint in endpoints:
-                self._failed[endpoint] = until
-
-    def should_bypass(self, stored: Stored, avoid: set[str]) -> bool:
-        """True when the client might pick a copy known to fail while another is live."""
-        if not avoid or len(stored.copies) < 2:
-            return False
-        endpoints = {c.endpoint for c in stored.copies}
-        return bool(endpoints & avoid) and bool(endpoints - avoid)
-
-    @staticmethod
-    def order(copies: Sequence[Copy], avoid: set[str]) -> list[Copy]:
-        """Copies on endpoints not known to fail first; the others as a last resort."""
-        return [c for c in copies if c.endpoint not in avoid] + [
-            c for c in copies if c.endpoint in avoid
-        ]
-
-    def read(self, reads: Sequence[Read]) -> list[bool]:
-        """Read each key from its first copy that transfers; per key, whether one did.
-
-        One ``batch_transfer_sync_read`` per endpoint and pass; a failed transfer marks
-        the endpoint and moves its keys on to their next copy. The bytes of a key that
-        fails everywhere may be partly written: the caller reads into staging or scratch
-        memory and copies out only what succeeded, as it does for ``batch_get_into``.
-        """
-        avoid = self.failed_endpoints()
-        plans = [self.order(r.copies, avoid) for r in reads]
-        done = [False] * len(reads)
-        pending = list(range(len(reads)))
-        while pending:
-            by_endpoint: dict[str, list[int]] = {}
-            for i in pending:
-                if reads[i].tried < len(plans[i]):
-                    by_endpoint.setdefault(plans[i][reads[i].tried].endpoint, []).append(i)
-            if not by_endpoint:
-                break
-            pending = []
-            for endpoint, items in by_endpoint.items():
-                peers = [plans[i][reads[i].tried].address for i in items]
-                code = self._transfer(
-                    endpoint,
-                    [reads[i].address for i in items],
-                    peers,
-                    [reads[i].size for i in items],
-                )
-                if code == 0:
-                    for i in items:
-                        done[i] = True
-                    continue
-                log.debug("kvconn: mooncake read from %s failed (%s)", endpoint, code)
-                self.mark_failed([endpoint])
-                for i in items:
-                    reads[i].tried += 1
-                pending.extend(items)
-        return done
-
-    def _transfer(
-        self, endpoint: str, locals_: list[int], peers: list[int], sizes: list[int]
-    ) -> int | str:
-        try:
-            return int(self.engine.batch_transfer_sync_read(endpoint, locals_, peers, sizes))
-        except Exception as exc:  # a binding error is a failed transfer, not a crash
-            return repr(exc)
+    The description tells what the failed transfer could not: gone since
+    (``MISSING``), of another size than the ``size`` wanted (``WRONG_SIZE``), or stored
+    with no other copy to try (``UNREACHABLE``).
+    """
+    if stored is None:
+        return Verdict(ReadStatus.MISSING)
+    if stored.size != size:
+        return Verdict(ReadStatus.WRONG_SIZE)
+    if len(stored.copies) > 1:
+        return RETRY
+    return Verdict(ReadStatus.UNREACHABLE, _endpoints(stored))
 
 
-class Failover:
-    """The backend's reads from live replicas and puts rerouted to live segments."""
+def bypass_client(stored: Stored, avoid: set[str]) -> bool:
+    """True when the client might pick a copy known to fail while another is live."""
+    if not avoid or len(stored.copies) < 2:
+        return False
+    endpoints = {c.endpoint for c in stored.copies}
+    return bool(endpoints & avoid) and bool(endpoints - avoid)
 
-    def __init__(self, transfers: Transfers) -> None:
-        self._transfers = transfers
-        self._session = transfers.session
-        self._counters = transfers.counters
-        #: Segments puts landed on lately, and until when to trust that; see _live_segments.
+
+def _endpoints(stored: Stored) -> tuple[str, ...]:
+    return tuple(c.endpoint for c in stored.copies)
+
+
+class Reroute:
+    """Where to put again the keys the master placed on a dead storage process.
+
+    Until the master drops a dead process's segment (``client_ttl``) it keeps placing
+    new objects there; their transfer fails (``-800``) and the key stays absent. The
+    segments that took this batch's other keys (or, when none landed, a recent
+    batch's) are alive, so the failed keys are put once more preferring those
+    (``preferred_segments``, a hint: a wrong guess only means a random placement
+    again). Measured with one of two storage processes killed: about half a batch
+    failed, every retried key was stored. With ``replica_num`` 2 and two segments every
+    put needs the dead one: nothing lands, and nothing is retried.
+    """
+
+    def __init__(self, remember_s: float = AVOID_S) -> None:
+        self.remember_s = remember_s
+        #: Segments puts landed on lately, and until when to trust that. Threads replace
+        #: the pair whole and read it once, so they never mix two.
         self._live: tuple[list[str], float] = ([], 0.0)
 
-    def read_described(
-        self,
-        store: Any,
-        reader: ReplicaReader,
-        reads: list[Pending],
-        buffers: list[memoryview],
-        ok: list[bool],
-    ) -> None:
-        """Reads whose transfer failed unchecked: ask where copies are, read a live one."""
-        stored = self._transfers.describe(store, [r.key for r in reads])
-        retry: list[Pending] = []
-        for read in reads:
-            found = stored.get(read.key)
-            if found is None:
-                self._counters["get_miss"] += read.wanted
-            elif found.size != buffers[read.target].nbytes:
-                self._counters["get_wrong_size"] += read.wanted
-            elif len(found.copies) > 1:
-                retry.append(replace(read, stored=found))
-            else:
-                reader.mark_failed(c.endpoint for c in found.copies)
-                self._counters["get_failed"] += read.wanted
-        if retry:
-            self.read_from_replicas(reader, retry, buffers, ok)
+    @staticmethod
+    def failed(results: Sequence[int]) -> list[int]:
+        """Positions of the keys whose put to be retried: their transfer failed."""
+        return [i for i, code in enumerate(results) if code == codes.TRANSFER_FAIL]
 
-    def read_from_replicas(
-        self,
-        reader: ReplicaReader,
-        reads: list[Pending],
-        buffers: list[memoryview],
-        ok: list[bool],
-    ) -> None:
-        """Read keys from explicit replicas, skipping endpoints whose transfers failed.
+    @staticmethod
+    def witnesses(keys: Sequence[str], results: Sequence[int]) -> list[str]:
+        """Keys of the batch that landed, whose copies show which segments are alive."""
+        return [k for k, code in zip(keys, results) if code in codes.PRESENT][:WITNESSES]
 
-        Every read here has been described (``stored`` is set): copies are only known so.
-        """
-        transfers = self._transfers
-        for round_, round_reads in transfers.rounds(reads, buffers):
-            described = [cast("Stored", r.stored) for r in round_reads]
-            with transfers.memory.addresses(round_) as (addresses, area):
-                done = reader.read(
-                    [
-                        Read(r.key, address, d.size, d.copies)
-                        for r, d, address in zip(round_reads, described, addresses)
-                    ]
-                )
-                for n, (read, success) in enumerate(zip(round_reads, done)):
-                    if success:
-                        transfers.finish(read, buffers, ok, area, round_.offsets[n], failover=True)
-                    else:
-                        self._counters["get_failed"] += read.wanted
-                        log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
+    def segments(self, seen: Iterable[str], avoid: set[str]) -> list[str]:
+        """The segments to prefer: ``seen`` holding the witnesses' copies, else recent ones.
 
-    def reroute_puts(
-        self,
-        store: Any,
-        keys: list[str],
-        addresses: list[int],
-        sizes: list[int],
-        results: list[int],
-    ) -> list[int]:
-        """Put again the keys whose copy was placed on a dead storage process.
-
-        Until the master drops a dead process's segment (``client_ttl``) it keeps placing
-        new objects there; their transfer fails (``-800``) and the key stays absent.
-        The segments that took this batch's other keys (or, when none landed, a recent
-        batch's) are alive, so the failed keys are put once more preferring those
-        (``preferred_segments``, a hint: a wrong guess only means a random placement
-        again). Measured with one of two storage processes killed: about half a batch
-        failed, every retried key was stored. With ``replica_num`` 2 and two segments
-        every put needs the dead one: nothing lands, and nothing is retried.
-        """
-        session = self._session
-        config = session.config.replicate_config(session.mc)
-        if not hasattr(config, "preferred_segments"):
-            return results
-        live = self._live_segments(store, [k for k, c in zip(keys, results) if c in codes.PRESENT])
-        if not live:
-            return results
-        config.preferred_segments = live
-        retry = [i for i, code in enumerate(results) if code == codes.TRANSFER_FAIL]
-        again = session.codes(
-            "put",
-            store.batch_put_from,
-            [keys[i] for i in retry],
-            [addresses[i] for i in retry],
-            [sizes[i] for i in retry],
-            config,
-        )
-        results = list(results)
-        for i, code in zip(retry, again):
-            results[i] = code
-        self._counters["put_rerouted"] += sum(1 for code in again if code in codes.PRESENT)
-        return results
-
-    def _live_segments(self, store: Any, landed: list[str]) -> list[str]:
-        """Segments that just took a put: where the replicas of ``landed`` keys lie.
-
-        Remembered for a while (``AVOID_S``), so a batch none of whose keys landed can
-        use the last answer. Endpoints a read found dead are left out (a key that was
-        already stored, answered as landed, may have its copy on the dead one). Asking
-        fails softly: the put it serves has partly succeeded already.
+        ``seen`` is remembered for ``remember_s``, so a batch none of whose keys landed
+        can use the last answer. Endpoints a read found dead (``avoid``) are left out: a
+        key that was already stored, answered as landed, may have its copy on the dead
+        one. Empty: nothing is known alive, do not retry.
         """
         now = time.monotonic()
-        live: list[str] = []
-        if landed:
-            try:
-                stored = self._transfers.describe(store, landed[:8])
-            except BackendError:
-                stored = {}
-            live = sorted({c.endpoint for found in stored.values() for c in found.copies})
-            if live:
-                self._live = (live, now + AVOID_S)
-        if not live and self._live[1] > now:
-            live = self._live[0]
-        reader = self._session.reader
-        avoid = reader.failed_endpoints() if reader is not None else set()
+        live = sorted(set(seen))
+        if live:
+            self._live = (live, now + self.remember_s)
+        else:
+            recent, until = self._live
+            if until > now:
+                live = recent
         return [endpoint for endpoint in live if endpoint not in avoid]

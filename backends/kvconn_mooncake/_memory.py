@@ -16,6 +16,16 @@ down fails yet leaves the range registered for good, wedging every later registr
 that overlaps it (freed memory is soon reused). Unregistration is therefore deferred
 until the metadata server answers (checked by a TCP probe), and refused registrations
 are retried every few seconds; meanwhile that memory moves through the scratch area.
+
+Threads (the backend is ``thread_safe``): the client's own methods may be called at once
+from several threads, and release the GIL while they work. Here, two locks:
+:attr:`Memory.lock` guards the registry, the deferred unregisters and the idle scratch
+areas, and is held only to read or change them, never across a call to the client;
+``Memory._registering`` puts (un)registrations one after another (each may be a round
+trip to the metadata server), so a range is never registered and removed at once, and
+close waits for one in progress. A transfer takes neither while its bytes move: each
+scratch round borrows a scratch area of its own, so transfers through scratch memory
+from several threads overlap instead of queueing for one area.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ import logging
 import mmap
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -35,6 +44,7 @@ from typing import Any, Protocol, cast
 from kvconn.backend import buffer_address
 from kvconn.errors import BackendError
 from kvconn_mooncake import _codes as codes
+from kvconn_mooncake._counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +240,21 @@ class Round:
 
 
 class Memory:
-    """The ranges registered with the client, the scratch area, and deferred unregisters.
+    """The ranges registered with the client, scratch areas, and deferred unregisters.
 
     Ranges outlive clients: one registered before set-up, or refused, is registered
-    when a client is attached (:meth:`attach`) or at the next :meth:`mend`.
+    when a client is attached (:meth:`attach`) or at the next :meth:`mend`. There are as
+    many scratch areas as rounds that ever went through scratch memory at once, each
+    up to ``scratch_bytes`` (or one value, if larger), kept for the next round.
     """
 
-    def __init__(self, client: Client, counters: Counter[str], scratch_bytes: int) -> None:
-        self.lock = threading.RLock()
+    def __init__(self, client: Client, counters: Counters, scratch_bytes: int) -> None:
+        #: Guards the registry, ``stale`` and the scratch areas; held briefly, never
+        #: across a call to the client.
+        self.lock = threading.Lock()
+        #: One (un)registration at a time (see the module docstring); taken before
+        #: ``lock`` when both are needed, never the other way round.
+        self._registering = threading.Lock()
         self.registry = Registry()
         #: Ranges to unregister once the metadata server answers (start -> end), see
         #: :meth:`unregister_range`.
@@ -246,54 +263,82 @@ class Memory:
         self._counters = counters
         self._scratch_bytes = scratch_bytes
         self._retry_at = 0.0
-        self._scratch = Scratch(self._register_range, self.unregister_range)
+        self._scratch_idle: list[Scratch] = []
+        self._scratch_all: list[Scratch] = []
 
     # ------------------------------------------------------------------ ranges
     def add(self, view: memoryview) -> None:
         """Remember ``view`` and register it if a client is set up (else at set-up)."""
         start = address_of(view)
         assert start is not None
-        with self.lock:
-            entry = self.registry.add(view, start)
-            store = self._client.store
+        with self._registering:
+            with self.lock:
+                entry = self.registry.add(view, start)
+            store = self._open_store()
             if store is not None:
                 self._register_entry(store, entry)
 
     def remove(self, view: memoryview) -> None:
         start = address_of(view)
         assert start is not None
-        with self.lock:
-            entry = self.registry.remove(start)
+        with self._registering:
+            with self.lock:
+                entry = self.registry.remove(start)
             if entry is not None and entry.mooncake:
                 self.unregister_range(start, entry.end - start)
 
     def attach(self, store: Any) -> None:
         """Register every remembered range with a newly set-up client."""
-        with self.lock:
-            for entry in self.registry.entries():
+        with self._registering:
+            with self.lock:
+                entries = self.registry.entries()
+            for entry in entries:
                 self._register_entry(store, entry)
 
     def forget(self) -> None:
-        """Drop every range and the scratch area: closing the client unregisters them."""
-        with self.lock:
-            self._scratch.release()
-            for entry in self.registry.entries():
-                self.registry.remove(entry.start)
-            self.stale.clear()
+        """Drop every range and scratch area: closing the client unregisters them.
+
+        Waits for a registration in progress, so the client is not closed under it.
+        """
+        with self._registering:
+            with self.lock:
+                scratches, self._scratch_all, self._scratch_idle = self._scratch_all, [], []
+                for entry in self.registry.entries():
+                    self.registry.remove(entry.start)
+                self.stale.clear()
+            for scratch in scratches:
+                scratch.release()
 
     def mend(self, store: Any) -> None:
-        """Finish deferred unregisters and retry refused registrations (every few s)."""
+        """Finish deferred unregisters and retry refused registrations (every few s).
+
+        Runs at the start of a call; a thread that finds another already at it, or a
+        registration in progress, goes on with its call instead of waiting.
+        """
         now = time.monotonic()
-        if now < self._retry_at:
+        if now < self._retry_at or not self._registering.acquire(blocking=False):
             return
-        self._retry_at = now + RETRY_INTERVAL_S
-        with self.lock:
+        try:
+            if now < self._retry_at:  # another thread mended meanwhile
+                return
+            self._retry_at = now + RETRY_INTERVAL_S
             self._drop_stale(store)
-            for entry in self.registry.failed():
+            with self.lock:
+                failed = self.registry.failed()
+            for entry in failed:
                 self._register_entry(store, entry)
+        finally:
+            self._registering.release()
+
+    def _open_store(self) -> Any:
+        """The set-up client, or None before set-up and once closing began."""
+        client = self._client
+        return None if client.closed else client.store
 
     def _register_entry(self, store: Any, entry: _Range) -> None:
-        self.registry.mark(entry, self._register_with(store, entry.start, entry.end - entry.start))
+        registered = self._register_with(store, entry.start, entry.end - entry.start)
+        with self.lock:
+            self.registry.mark(entry, registered)
 
     def _register_with(self, store: Any, start: int, nbytes: int) -> bool:
         """Register with the client, first dropping stale ranges the new one overlaps."""
@@ -304,7 +349,7 @@ class Memory:
             code = codes.INTERNAL_ERROR
             log.debug("register_buffer raised %r", exc)
         if code != 0:
-            self._counters["register_refused"] += 1
+            self._counters.add("register_refused")
             log.warning(
                 "kvconn: mooncake refused to register %d bytes at %#x (%s); transfers from "
                 "that memory are copied through scratch memory until it accepts",
@@ -315,7 +360,7 @@ class Memory:
         return bool(code == 0)
 
     def _register_range(self, start: int, nbytes: int) -> bool:
-        store = self._client.store
+        store = self._open_store()
         return store is not None and self._register_with(store, start, nbytes)
 
     def unregister_range(self, start: int, nbytes: int) -> None:
@@ -334,7 +379,8 @@ class Memory:
         if store is None or client.closed:
             return  # closing the client drops every registration at once
         if client.down or not client.metadata_reachable():
-            self.stale[start] = start + nbytes
+            with self.lock:
+                self.stale[start] = start + nbytes
             return
         try:
             code = store.unregister_buffer(start)
@@ -342,7 +388,8 @@ class Memory:
             code = codes.INTERNAL_ERROR
             log.debug("unregister_buffer raised %r", exc)
         if code != 0:
-            self.stale[start] = start + nbytes
+            with self.lock:
+                self.stale[start] = start + nbytes
             log.warning(
                 "kvconn: mooncake could not unregister %d bytes at %#x (%s)",
                 nbytes,
@@ -352,7 +399,8 @@ class Memory:
 
     def _drop_stale(self, store: Any, start: int = 0, end: int = 1 << 64) -> None:
         """Unregister deferred ranges overlapping ``[start, end)`` if now possible."""
-        overlapping = [s for s, e in self.stale.items() if s < end and start < e]
+        with self.lock:
+            overlapping = [s for s, e in self.stale.items() if s < end and start < e]
         if not overlapping or not self._client.metadata_reachable():
             return
         for stale in overlapping:
@@ -361,7 +409,8 @@ class Memory:
             except Exception:
                 code = codes.INTERNAL_ERROR
             if code == 0:
-                del self.stale[stale]
+                with self.lock:
+                    self.stale.pop(stale, None)
 
     # ------------------------------------------------------------------ batches
     def plan(self, views: Sequence[memoryview]) -> list[Round]:
@@ -397,15 +446,38 @@ class Memory:
 
     @contextlib.contextmanager
     def addresses(self, round_: Round) -> Iterator[tuple[list[int], memoryview | None]]:
-        """The round's addresses, and the scratch area (held) when the round uses it."""
+        """The round's addresses, and a scratch area of its own when the round uses one."""
         if not round_.scratch:
             yield round_.direct, None
             return
-        with self.lock:
-            area = self._scratch.take(round_.scratch)
-            base = self._scratch.address
+        scratch = self._borrow_scratch(round_.scratch)
+        try:
+            growing = scratch.capacity < round_.scratch
+            with self._registering if growing else contextlib.nullcontext():
+                area = scratch.take(round_.scratch)
+            base = scratch.address
             addresses = [
                 base + offset if offset >= 0 else address
                 for offset, address in zip(round_.offsets, round_.direct)
             ]
             yield addresses, area
+        finally:
+            with self.lock:
+                if scratch in self._scratch_all:  # not dropped by forget() meanwhile
+                    self._scratch_idle.append(scratch)
+
+    def _borrow_scratch(self, nbytes: int) -> Scratch:
+        """The smallest idle area that fits, else the largest idle one, else a new one."""
+        with self.lock:
+            idle = self._scratch_idle
+            if idle:
+                fitting = [s for s in idle if s.capacity >= nbytes]
+                if fitting:
+                    pick = min(fitting, key=lambda s: s.capacity)
+                else:
+                    pick = max(idle, key=lambda s: s.capacity)  # grown, it replaces one
+                idle.remove(pick)
+                return pick
+            scratch = Scratch(self._register_range, self.unregister_range)
+            self._scratch_all.append(scratch)
+            return scratch

@@ -17,7 +17,20 @@ Measured with 0.3.13 (``docs/notes/mooncake-api.md``), and what each fact costs 
   the probe then connects, the call is repeated once, so a restart drops nothing. The
   restarted master has lost every object (its metadata lives only there).
 * The client is set up with a transfer engine the session starts itself, so reads can
-  pick their replica (:mod:`kvconn_mooncake._failover`).
+  pick their replica (:mod:`kvconn_mooncake._replicas`); the session owns the
+  :class:`~kvconn_mooncake._replicas.ReplicaReader` over it, for the transfers to use.
+
+Threads: the client's methods may be called from several threads at once. Its Python
+binding releases the GIL in every call that moves bytes or asks the master
+(``batch_is_exist``, ``batch_put_from``, ``batch_get_into``, ``batch_get_replica_desc``,
+``batch_remove``, ``register_buffer``), and the client guards its own state (RPC client
+pools, registered buffers); Mooncake's own ``structured_object_store`` calls
+``batch_put_from`` from a thread pool. Not so ``setup()`` and ``close()``, which keep the
+GIL: a set-up delayed to a call (the master was down at start) stalls every Python
+thread of the process while it runs; ``close()`` waits for calls in flight. Session
+state is the set-up client (made once, under ``_setup_lock``), the count of calls in
+flight (under ``_state``), and ``down``, a hint any thread may set: the worst a race on
+it costs is one probe more or less.
 """
 
 from __future__ import annotations
@@ -27,7 +40,6 @@ import logging
 import os
 import socket
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +47,9 @@ from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn_mooncake import _codes as codes
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig
-from kvconn_mooncake._failover import ReplicaReader, make_engine
+from kvconn_mooncake._counters import Counters
 from kvconn_mooncake._memory import Memory
+from kvconn_mooncake._replicas import ReplicaReader, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +62,7 @@ DEFAULT_SETUP_RETRIES = 3
 class Session:
     """The set-up client (``store``), the calls using it, and its replica reader."""
 
-    def __init__(self, mc: Any, config: MooncakeConfig, counters: Counter[str]) -> None:
+    def __init__(self, mc: Any, config: MooncakeConfig, counters: Counters) -> None:
         self.mc = mc
         self.config = config
         self.where = config.master_address
@@ -138,9 +151,11 @@ class Session:
                 raise ConfigError(message)
             raise BackendUnavailable(message)
         self.memory.attach(store)
-        self.store = store
+        # The reader first: a call on another thread that finds ``store`` set takes the
+        # fast path in enter() and reads ``reader`` next; it must not find it unset.
         self.reader = ReplicaReader(shared[0]) if shared is not None else None
         self.down = False
+        self.store = store
 
     def _setup_retries(self) -> int:
         if self.config.setup_retries is not None:
@@ -176,7 +191,7 @@ class Session:
             return
         problem = _tcp_problem(target, self.config.probe_timeout_s)
         if problem is not None:
-            self.counters["refused_master_down"] += 1
+            self.counters.add("refused_master_down")
             raise BackendUnavailable(f"mooncake master at {self.where} is unreachable ({problem})")
 
     def metadata_reachable(self) -> bool:

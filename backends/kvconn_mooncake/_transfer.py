@@ -27,8 +27,21 @@ one code, and is capped by ``local_buffer_size``. How the contract maps onto Moo
   apart (``-600`` for a buffer too small, nothing written; the value's length when the
   buffer is larger). ``batch_get_into`` takes the read lease itself. Copies are only
   described for keys whose transfer failed, to read them from another replica.
-* Keys whose copy sits on a dead storage process are read from, or put to, a live one
-  (:mod:`kvconn_mooncake._failover`).
+* Keys whose copy sits on a dead storage process are read from, or put to, a live one:
+  the fail-over policy (:mod:`kvconn_mooncake._failover`) says what to do with each
+  key that failed, and this module does it, reading a chosen copy with
+  :class:`~kvconn_mooncake._replicas.ReplicaReader`. Data flows one way: this module
+  calls the session, the memory, the policy and the replica reader; none of them calls
+  back.
+
+Reads say per key why one did not load (:class:`~kvconn.backend.ReadStatus`), from what
+each path already learned, never by asking again: absent (no replica described, or an
+*absent* code) is ``MISSING``; a value of another size (the size query, ``-600``, or a
+shorter length from ``batch_get_into``) is ``WRONG_SIZE``; a key whose every copy failed
+to transfer (``-800``, fail-over had no live copy to read) is ``UNREACHABLE``: its bytes
+are fine and the master still lists them, but their holder's process is gone, so the
+connector keeps the page instead of deleting it as unreadable. Any other per-key code is
+``FAILED`` (the backend cannot tell).
 """
 
 from __future__ import annotations
@@ -36,16 +49,34 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
+from kvconn.backend import ReadStatus
 from kvconn.errors import BackendError
 from kvconn_mooncake import _codes as codes
-from kvconn_mooncake._failover import Copy, Failover, ReplicaReader, Stored
+from kvconn_mooncake._counters import Counters
+from kvconn_mooncake._failover import (
+    Reroute,
+    Verdict,
+    after_description,
+    after_failed_transfer,
+    bypass_client,
+)
 from kvconn_mooncake._memory import Round
+from kvconn_mooncake._replicas import Read, ReplicaReader, Stored, copies_of
 from kvconn_mooncake._session import Session
 
 log = logging.getLogger(__name__)
+
+#: The counter a read that did not load adds to (once per buffer that wanted the key),
+#: by the status it ended with.
+FAILURE_COUNTERS = {
+    ReadStatus.MISSING: "get_miss",
+    ReadStatus.WRONG_SIZE: "get_wrong_size",
+    ReadStatus.UNREACHABLE: "get_failed",
+    ReadStatus.FAILED: "get_failed",
+}
 
 
 @dataclass(slots=True)
@@ -62,6 +93,12 @@ class Pending:
         """Buffers that wanted the key: a failure is counted once per buffer."""
         return 1 + len(self.duplicates)
 
+    def settle(self, status: list[ReadStatus], outcome: ReadStatus) -> None:
+        """Record ``outcome`` for every buffer that wanted the key."""
+        status[self.target] = outcome
+        for other in self.duplicates:
+            status[other] = outcome
+
 
 def positions(keys: list[str]) -> dict[str, list[int]]:
     """Each distinct key and where it appears in the batch, in first-seen order."""
@@ -76,12 +113,13 @@ def positions(keys: list[str]) -> dict[str, list[int]]:
 class Transfers:
     """The backend's operations over one :class:`Session`."""
 
-    def __init__(self, session: Session, counters: Counter[str]) -> None:
+    def __init__(self, session: Session, counters: Counters) -> None:
         self.session = session
         self.memory = session.memory
         self.counters = counters
         self._replicate = session.config.replicate_config(session.mc)
-        self._failover = Failover(self)
+        #: Where failed puts go next; remembers the segments puts landed on lately.
+        self._reroute = Reroute()
 
     def exists(self, keys: list[str]) -> Sequence[bool]:
         session = self.session
@@ -111,12 +149,9 @@ class Transfers:
                         "put", store.batch_put_from, round_keys, addresses, sizes, self._replicate
                     )
                     if codes.TRANSFER_FAIL in results:
-                        results = self._failover.reroute_puts(
-                            store, round_keys, addresses, sizes, results
-                        )
+                        results = self._reroute_puts(store, round_keys, addresses, sizes, results)
                 copied = sum(1 for offset in round_.offsets if offset >= 0)
-                self.counters["put_zero_copy"] += len(batch) - copied
-                self.counters["put_scratch"] += copied
+                self.counters.merge({"put_zero_copy": len(batch) - copied, "put_scratch": copied})
                 for key, code in zip(round_keys, results):
                     ok = code in codes.PRESENT
                     stored[key] = ok
@@ -126,13 +161,15 @@ class Transfers:
             session.leave()
         return [stored[k] for k in keys]
 
-    def get(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def read(self, keys: list[str], buffers: list[memoryview]) -> list[ReadStatus]:
+        """Read after asking each key's size and copies: a failed key's buffer stays
+        untouched; per key, whether it loaded and why not."""
         groups = positions(keys)
-        ok = [False] * len(keys)
+        status = [ReadStatus.FAILED] * len(keys)
         session = self.session
         store = session.enter()
         try:
-            stored = self.describe(store, list(groups))
+            stored = self._describe(store, list(groups))
             reader = session.reader
             avoid = reader.failed_endpoints() if reader is not None else set()
             direct: list[Pending] = []  # through the client
@@ -140,25 +177,31 @@ class Transfers:
             for key, places in groups.items():
                 found = stored.get(key)
                 if found is None:
-                    self.counters["get_miss"] += len(places)
+                    self.counters.add("get_miss", len(places))
+                    for i in places:
+                        status[i] = ReadStatus.MISSING
                     continue
                 fitting = [i for i in places if buffers[i].nbytes == found.size]
-                self.counters["get_wrong_size"] += len(places) - len(fitting)
+                if len(fitting) < len(places):
+                    self.counters.add("get_wrong_size", len(places) - len(fitting))
+                    for i in places:
+                        if buffers[i].nbytes != found.size:
+                            status[i] = ReadStatus.WRONG_SIZE
                 if not fitting:
                     continue
                 pending = Pending(key, fitting[0], fitting[1:], found)
-                if reader is not None and reader.should_bypass(found, avoid):
+                if reader is not None and bypass_client(found, avoid):
                     rerouted.append(pending)
                 else:
                     direct.append(pending)
-            rerouted += self._read_through_client(store, reader, direct, buffers, ok)
+            rerouted += self._read_through_client(store, reader, direct, buffers, status)
             if rerouted and reader is not None:
-                self._failover.read_from_replicas(reader, rerouted, buffers, ok)
+                self._read_from_replicas(reader, rerouted, buffers, status)
         finally:
             session.leave()
-        return ok
+        return status
 
-    def get_scratch(self, keys: list[str], buffers: list[memoryview]) -> Sequence[bool]:
+    def read_scratch(self, keys: list[str], buffers: list[memoryview]) -> list[ReadStatus]:
         """Read without asking sizes first: the caller's buffers are scratch.
 
         ``batch_get_into`` refuses a buffer smaller than the value (``-600``, nothing
@@ -171,21 +214,21 @@ class Transfers:
         if len(groups) < len(keys) and any(
             len({buffers[i].nbytes for i in places}) > 1 for places in groups.values()
         ):
-            return self.get(keys, buffers)  # one key into buffers of two sizes: ask first
-        ok = [False] * len(keys)
+            return self.read(keys, buffers)  # one key into buffers of two sizes: ask first
+        status = [ReadStatus.FAILED] * len(keys)
         session = self.session
         store = session.enter()
         try:
             reader = session.reader  # after enter: a delayed set-up makes it
             if reader is not None and reader.failed_endpoints():
-                return self.get(keys, buffers)  # a copy failed lately: steer around it
+                return self.read(keys, buffers)  # a copy failed lately: steer around it
             reads = [Pending(key, p[0], p[1:], None) for key, p in groups.items()]
-            failed = self._read_through_client(store, reader, reads, buffers, ok)
+            failed = self._read_through_client(store, reader, reads, buffers, status)
             if failed and reader is not None:
-                self._failover.read_described(store, reader, failed, buffers, ok)
+                self._read_described(store, reader, failed, buffers, status)
         finally:
             session.leave()
-        return ok
+        return status
 
     def delete(self, keys: list[str]) -> Sequence[bool]:
         """``batch_remove(force=True)``: every read takes a 10 s lease that blocks removal."""
@@ -210,7 +253,7 @@ class Transfers:
         return [removed[k] for k in keys]
 
     # ------------------------------------------------------------------ reads
-    def describe(self, store: Any, keys: list[str], retried: bool = False) -> dict[str, Stored]:
+    def _describe(self, store: Any, keys: list[str], retried: bool = False) -> dict[str, Stored]:
         """Size and copies of each key that has a complete replica; raises if the store failed.
 
         ``batch_get_replica_desc`` leaves out absent keys *and* answers ``{}`` when the
@@ -219,25 +262,7 @@ class Transfers:
         """
         session = self.session
         described = session.invoke("batch_get_replica_desc", store.batch_get_replica_desc, keys)
-        complete = session.mc.ReplicaStatus.COMPLETE
-        stored: dict[str, Stored] = {}
-        for key, replicas in described.items():
-            size = -1
-            copies: list[Copy] = []
-            for replica in replicas:
-                if replica.status != complete:
-                    continue  # a put in flight, or a replica being removed
-                if replica.is_memory_replica():
-                    buffer = replica.get_memory_descriptor().buffer_descriptor
-                    if size in (-1, int(buffer.size)):
-                        size = int(buffer.size)
-                        copies.append(
-                            Copy(str(buffer.transport_endpoint), int(buffer.buffer_address))
-                        )
-                elif size == -1:
-                    size = int(replica.get_disk_descriptor().object_size)
-            if size >= 0:
-                stored[key] = Stored(size, tuple(copies))
+        stored = copies_of(described, session.mc.ReplicaStatus.COMPLETE)
         unknown = [k for k in keys if k not in stored]
         if not unknown:
             session.down = False  # the master answered
@@ -245,10 +270,10 @@ class Transfers:
         results = session.exist_codes(store, unknown)
         present = [k for k, r in zip(unknown, results) if r == 1]
         if present and not retried:  # an answer lost to a restart, or a put just finished
-            stored.update(self.describe(store, present, retried=True))
+            stored.update(self._describe(store, present, retried=True))
         return stored
 
-    def rounds(
+    def _rounds(
         self, reads: list[Pending], buffers: list[memoryview]
     ) -> list[tuple[Round, list[Pending]]]:
         """``reads`` split into rounds that fit the scratch area, each with its reads."""
@@ -261,11 +286,16 @@ class Transfers:
         reader: ReplicaReader | None,
         reads: list[Pending],
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
     ) -> list[Pending]:
-        """``batch_get_into``; returns the failed reads another replica could serve."""
+        """``batch_get_into``; returns the failed reads another replica could serve.
+
+        Every other read gets its outcome in ``status``; those returned keep ``FAILED``
+        until fail-over settles them.
+        """
         retry: list[Pending] = []
-        for round_, round_reads in self.rounds(reads, buffers):
+        landed: Counter[str] = Counter()  # counted per key, added to the counters at once
+        for round_, round_reads in self._rounds(reads, buffers):
             lengths = [buffers[r.target].nbytes for r in round_reads]
             with self.memory.addresses(round_) as (addresses, area):
                 results = self.session.codes(
@@ -274,64 +304,182 @@ class Transfers:
                 for n, (read, code) in enumerate(zip(round_reads, results)):
                     offset = round_.offsets[n]
                     if code == lengths[n]:
-                        self.finish(read, buffers, ok, area, offset)
+                        landed[self._finish(read, buffers, status, area, offset)] += 1
                     elif code == codes.TRANSFER_FAIL and reader is not None:
-                        self.counters["get_transfer_failed"] += 1
-                        # The chosen copy's process is gone but the master still lists
-                        # it. With one copy, remember its endpoint so keys that also
-                        # have a copy elsewhere skip it; with more (or not yet known),
-                        # try those.
-                        if read.stored is None or len(read.stored.copies) > 1:
+                        landed["get_transfer_failed"] += 1
+                        verdict = after_failed_transfer(read.stored)
+                        if verdict.retry:
                             retry.append(read)
                         else:
-                            reader.mark_failed(c.endpoint for c in read.stored.copies)
-                            self._count_get_failure(read, code, lengths[n], offset >= 0)
+                            self._give_up(reader, read, verdict, status)
                     elif read.stored is None and (code >= 0 or code == codes.INVALID_PARAMS):
                         # Sizes were not asked: the value is shorter than the buffer
                         # (its bytes are in the scratch buffer) or longer (-600, none).
-                        self.counters["get_wrong_size"] += read.wanted
+                        landed["get_wrong_size"] += read.wanted
+                        read.settle(status, ReadStatus.WRONG_SIZE)
                     else:
-                        self._count_get_failure(read, code, lengths[n], offset >= 0)
+                        read.settle(
+                            status, self._count_get_failure(read, code, lengths[n], offset >= 0)
+                        )
+        # A call that raised counts nothing: its caller sees every key fail.
+        self.counters.merge(landed)
         return retry
 
-    def finish(
+    def _finish(
         self,
         read: Pending,
         buffers: list[memoryview],
-        ok: list[bool],
+        status: list[ReadStatus],
         area: memoryview | None,
         offset: int,
-        *,
-        failover: bool = False,
-    ) -> None:
-        """A read landed: copy it out of scratch if it went there, and to duplicates."""
+    ) -> str:
+        """A read landed: copy it out of scratch if it went there, and to duplicates.
+
+        Returns the counter of the path it took (``get_scratch`` or ``get_zero_copy``),
+        for the caller to count with the rest of its batch.
+        """
         target = buffers[read.target]
+        path = "get_zero_copy"
         if area is not None and offset >= 0:
             target[:] = area[offset : offset + target.nbytes]
-            self.counters["get_scratch"] += 1
-        else:
-            self.counters["get_zero_copy"] += 1
-        if failover:
-            self.counters["get_failover"] += 1
-        ok[read.target] = True
+            path = "get_scratch"
         for other in read.duplicates:
             buffers[other][:] = target
-            ok[other] = True
+        read.settle(status, ReadStatus.LOADED)
+        return path
+
+    # ------------------------------------------------------------------ fail-over
+    def _read_described(
+        self,
+        store: Any,
+        reader: ReplicaReader,
+        reads: list[Pending],
+        buffers: list[memoryview],
+        status: list[ReadStatus],
+    ) -> None:
+        """Reads whose transfer failed unchecked: ask where copies are, read a live one.
+
+        What each key's description means is the policy's (:func:`after_description`).
+        """
+        stored = self._describe(store, [r.key for r in reads])
+        retry: list[Pending] = []
+        for read in reads:
+            found = stored.get(read.key)
+            verdict = after_description(found, buffers[read.target].nbytes)
+            if verdict.retry:
+                retry.append(replace(read, stored=found))
+            else:
+                self._give_up(reader, read, verdict, status)
+        if retry:
+            self._read_from_replicas(reader, retry, buffers, status)
+
+    def _read_from_replicas(
+        self,
+        reader: ReplicaReader,
+        reads: list[Pending],
+        buffers: list[memoryview],
+        status: list[ReadStatus],
+    ) -> None:
+        """Read keys from explicit replicas, skipping endpoints whose transfers failed.
+
+        Every read here has been described (``stored`` is set): copies are only known so.
+        A key no copy of which transferred is ``UNREACHABLE``.
+        """
+        for round_, round_reads in self._rounds(reads, buffers):
+            described = [cast("Stored", r.stored) for r in round_reads]
+            with self.memory.addresses(round_) as (addresses, area):
+                done = reader.read(
+                    [
+                        Read(r.key, address, d.size, d.copies)
+                        for r, d, address in zip(round_reads, described, addresses)
+                    ]
+                )
+                landed: Counter[str] = Counter()
+                for n, (read, success) in enumerate(zip(round_reads, done)):
+                    if success:
+                        offset = round_.offsets[n]
+                        landed[self._finish(read, buffers, status, area, offset)] += 1
+                        landed["get_failover"] += 1
+                    else:
+                        landed["get_failed"] += read.wanted
+                        read.settle(status, ReadStatus.UNREACHABLE)
+                        log.debug("kvconn: mooncake get of %r failed on every replica", read.key)
+                self.counters.merge(landed)
+
+    def _give_up(
+        self, reader: ReplicaReader, read: Pending, verdict: Verdict, status: list[ReadStatus]
+    ) -> None:
+        """Carry out the policy's final answer for a read: avoid the endpoints it found
+        dead, count the key once per buffer that wanted it, record its status."""
+        outcome = cast("ReadStatus", verdict.status)
+        if verdict.dead:
+            reader.mark_failed(verdict.dead)
+        self.counters.add(FAILURE_COUNTERS[outcome], read.wanted)
+        if outcome is ReadStatus.UNREACHABLE:
+            log.debug("kvconn: mooncake get of %r failed: no live copy to read", read.key)
+        read.settle(status, outcome)
+
+    def _reroute_puts(
+        self,
+        store: Any,
+        keys: list[str],
+        addresses: list[int],
+        sizes: list[int],
+        results: list[int],
+    ) -> list[int]:
+        """Put once more, on segments known alive, the keys placed on a dead storage
+        process (their transfer failed, ``-800``); which segments, the policy says
+        (:class:`Reroute`). Asking where the landed keys lie fails softly: the put it
+        serves has partly succeeded already."""
+        session = self.session
+        config = session.config.replicate_config(session.mc)
+        if not hasattr(config, "preferred_segments"):
+            return results
+        witnesses = Reroute.witnesses(keys, results)
+        seen: list[str] = []
+        if witnesses:
+            try:
+                described = self._describe(store, witnesses)
+            except BackendError:
+                described = {}
+            seen = [c.endpoint for found in described.values() for c in found.copies]
+        reader = session.reader
+        live = self._reroute.segments(
+            seen, reader.failed_endpoints() if reader is not None else set()
+        )
+        if not live:
+            return results
+        config.preferred_segments = live
+        retry = Reroute.failed(results)
+        again = session.codes(
+            "put",
+            store.batch_put_from,
+            [keys[i] for i in retry],
+            [addresses[i] for i in retry],
+            [sizes[i] for i in retry],
+            config,
+        )
+        results = list(results)
+        for i, code in zip(retry, again):
+            results[i] = code
+        self.counters.add("put_rerouted", sum(1 for code in again if code in codes.PRESENT))
+        return results
 
     def _count_get_failure(
         self, read: Pending, code: int, expected: int, via_scratch: bool
-    ) -> None:
+    ) -> ReadStatus:
         """Count a failed read once per buffer that wanted the key, as misses found
-        before reading are."""
+        before reading are; return what the code says about the key."""
         key, wanted = read.key, read.wanted
         if code in codes.ABSENT:
-            self.counters["get_miss"] += wanted  # evicted or removed since the size query
-        elif code >= 0:
+            self.counters.add("get_miss", wanted)  # evicted or removed since the size query
+            return ReadStatus.MISSING
+        if code >= 0:
             # The value changed size between the size query and the read, which the
             # read lease forbids short of a forced remove and a new put under the same
             # key. Through scratch the caller's buffer is untouched; a registered one
             # may hold the first bytes of the new value: say so loudly.
-            self.counters["get_wrong_size"] += wanted
+            self.counters.add("get_wrong_size", wanted)
             level = logging.DEBUG if via_scratch else logging.ERROR
             log.log(
                 level,
@@ -340,13 +488,18 @@ class Transfers:
                 code,
                 expected,
             )
-        else:
-            self.counters["get_failed"] += wanted  # e.g. -800: its segment's process died
-            log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
+            return ReadStatus.WRONG_SIZE
+        self.counters.add("get_failed", wanted)  # e.g. -800: its segment's process died
+        log.debug("kvconn: mooncake get of %r failed with %s", key, codes.describe(code))
+        if code == codes.TRANSFER_FAIL:
+            # Stored, and its bytes are fine, but no copy could be fetched now (the copy
+            # the client chose, or the only one, is on a dead storage process).
+            return ReadStatus.UNREACHABLE
+        return ReadStatus.FAILED
 
     def _count_put_failure(self, key: str, code: int) -> None:
         if code in codes.FULL:
-            self.counters["put_full"] += 1  # eviction lags a fast writer: a dropped save
+            self.counters.add("put_full")  # eviction lags a fast writer: a dropped save
         else:
-            self.counters["put_failed"] += 1
+            self.counters.add("put_failed")
             log.debug("kvconn: mooncake put of %r failed with %s", key, codes.describe(code))

@@ -20,9 +20,21 @@ What kvconn adds around it:
   credentials, ACL permissions, an untrusted certificate or the wrong mode are a
   :class:`~kvconn.errors.ConfigError` at start-up; messages never carry the password;
 * a start-up probe that the user may write and read (``SET … XX`` on an absent key,
-  which changes nothing but is checked against the ACL like the real puts);
+  which changes nothing but is checked against the ACL like the real puts), under the
+  key prefix and, once told (:meth:`RedisBackend.check_access`), under the connector's
+  namespace and model, so an ACL user confined to other keys is refused at start-up;
+  and when the probe's connection opens but breaks, a look at the transport
+  (:mod:`kvconn_redis._transport`): ``redis://`` at a TLS port, ``rediss://`` at a plain
+  one, a missing client certificate are configuration errors, not an outage;
 * values sent from the caller's buffers without a join, and each fetched value copied
   once into the caller's buffer after its size was checked.
+
+Threads: one backend may be called from several threads at once
+(``Capabilities.thread_safe``). redis-py's clients and pools are made to be shared: each
+call takes its own pooled connection (waiting, within ``timeout_s``, when all are out)
+and builds its own pipeline, and the deadline is per thread. What kvconn keeps besides
+(the cluster client made at first use, the node table the last batch saw, pools of
+departed nodes) changes under small locks, never held across a round trip.
 
 Options (keyword arguments; ``load_backend("redis", {...})``):
 
@@ -59,7 +71,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from kvconn.backend import Backend, Capabilities
+from kvconn.backend import Backend, Capabilities, ReadStatus
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn.redaction import redact_url
 from kvconn_redis._config import DEFAULT_URL, RedisConfig, make_config
@@ -77,7 +89,8 @@ class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     extra: ClassVar[str | None] = "redis"
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True)
+    #: thread_safe: see the module docstring (Threads).
+    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True, thread_safe=True)
 
     def __init__(
         self,
@@ -124,20 +137,44 @@ class RedisBackend(Backend):
         )
         # redis-py is imported only now: the class must load without it, so that a
         # missing client library is reported with the install hint (client_modules).
-        from kvconn_redis import _client, _deadline, _errors
+        from kvconn_redis import _client, _deadline, _errors, _transport
 
         self._client: Client = _client.make_client(self.config)
         self._client_errors = _client.CLIENT_ERRORS
         self._deadline = _deadline.deadline
         self._translate = _errors.translate
+        self._transport_problem = _transport.transport_problem
         self._closed = False
+        self._unreachable_at_start = False
         try:
-            self._call("connect", self._client.check_access, startup=True)
-        except BackendUnavailable as exc:
-            log.warning("kvconn: %s; calls will fail until it answers", exc)
+            self._probe("")
         except BaseException:
             self.close()
             raise
+
+    def check_access(self, key_prefix: str) -> None:
+        """Refuse, at start-up, an ACL user whose key patterns exclude ``key_prefix``.
+
+        The constructor's probe knows only the ``key_prefix`` option; kvconn's keys go on
+        with the namespace and model (``kvconn/<model>/``), which only the caller knows.
+        A user confined to ``~other/*`` would otherwise be refused on every call, each
+        refusal a warning and a miss.
+        """
+        if not isinstance(key_prefix, str):
+            raise ConfigError(f"key_prefix must be a string, got {key_prefix!r}")
+        if not self._unreachable_at_start:  # said once already: no second warning
+            self._probe(key_prefix)
+
+    def _probe(self, key_prefix: str) -> None:
+        """The start-up probe under ``key_prefix``; an unreachable server only warns."""
+        try:
+            self._call("connect", self._client.check_access, key_prefix, startup=True)
+        except BackendUnavailable as exc:
+            problem = self._transport_problem(self.config)
+            if problem is not None:
+                raise ConfigError(redact_url(problem)) from None
+            self._unreachable_at_start = True
+            log.warning("kvconn: %s; calls will fail until it answers", exc)
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.config.where!r})"
@@ -172,7 +209,16 @@ class RedisBackend(Backend):
         return self._call("put", self._client.put, keys, values)
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
-        return self._call("get", self._client.get, keys, buffers)
+        loaded = ReadStatus.LOADED
+        statuses = self._call("get", self._client.read, keys, buffers, False)
+        return [s is loaded for s in statuses]
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        """``MISSING`` (absent) or ``WRONG_SIZE`` (another length, or not a string) per
+        key that did not load; a server that cannot be asked raises, as for every call."""
+        return self._call("get", self._client.read, keys, buffers, True)
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._call("delete", self._client.delete, keys)

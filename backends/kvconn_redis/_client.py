@@ -9,10 +9,14 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
   writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
   server is full and may not evict) fails only that key: a dropped save.
-* ``get`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
+* ``read`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
   one slot); each value is checked against its buffer's size and then copied into it
-  once. A value of another size, or a key that holds no string, is that key's miss and
-  its buffer stays untouched.
+  once. A value of another size, or a key that holds no string, fails and its buffer
+  stays untouched. Asked why (``explain``), a key that did not load is ``MISSING`` or
+  ``WRONG_SIZE`` (stored but unreadable: the connector deletes it). ``MGET`` answers nil
+  both for an absent key and for one holding a list or a hash, so on a server the nil
+  keys are asked about with ``EXISTS`` (a second round trip, only for a batch with
+  misses); a cluster's ``GET`` says ``WRONGTYPE`` itself.
 * ``exists`` — ``EXISTS`` per key. Any error reply raises: "could not ask" is never
   "absent".
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, cast
 
@@ -34,7 +39,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from kvconn.errors import ConfigError
+from kvconn.backend import ReadStatus
+from kvconn.errors import BackendError, ConfigError
 from kvconn_redis._config import RedisConfig
 from kvconn_redis._deadline import (
     DeadlineConnection,
@@ -59,13 +65,15 @@ _KEY_BYTES = bytes(range(0x21, 0x7F))
 class Client(Protocol):
     """What the backend needs from either mode."""
 
-    def check_access(self) -> None: ...
+    def check_access(self, key_prefix: str = "") -> None: ...
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
     def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]: ...
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]: ...
 
     def delete(self, keys: Sequence[str]) -> list[bool]: ...
 
@@ -173,57 +181,72 @@ class _Commands:
             out.append(True)  # OK: stored; nil: already present, left untouched
         return out
 
-    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[bool]:
-        """Copy each value into its buffer when the sizes match; errors raise first."""
+    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[ReadStatus]:
+        """Copy each value into its buffer when the sizes match; errors raise first.
+
+        A server answers every key it was asked about, so a key that did not load is
+        either absent or stored as something its buffer cannot take: never "stored but
+        unreachable" (a connection failure raises for the whole call).
+        """
         for reply in replies:
             if isinstance(reply, Exception) and error_code(reply) != "WRONGTYPE":
                 raise reply_error(reply, self.config, "get")
         out = []
         for value, buffer in zip(replies, buffers):
-            if isinstance(value, bytes) and len(value) == buffer.nbytes:
+            if value is None:  # absent (or, from MGET, not a string: see ServerClient)
+                out.append(ReadStatus.MISSING)
+            elif isinstance(value, bytes) and len(value) == buffer.nbytes:
                 buffer[:] = value
-                out.append(True)
-            else:  # absent, another size, or not a string (WRONGTYPE)
-                out.append(False)
+                out.append(ReadStatus.LOADED)
+            else:  # another size, or not a string (WRONGTYPE)
+                out.append(ReadStatus.WRONG_SIZE)
         return out
 
-    def _probe_key(self) -> str:
+    def _probe_key(self, key_prefix: str) -> str:
         # A space cannot occur in kvconn's keys, so no page can ever be this key.
-        return f"{self.prefix}kvconn access probe {os.urandom(8).hex()}"
+        return f"{self.prefix}{key_prefix}kvconn access probe {os.urandom(8).hex()}"
 
-    def _probe(self, pipe: Any) -> None:
+    def _probe(self, pipe: Any, key_prefix: str) -> None:
         """Ask, without changing anything, whether this user may write and read our keys.
 
         ``SET key "" XX`` on an absent key writes nothing, yet the server checks it
         against the user's ACL exactly like the puts to come (command *and* key). A
         user's own ``ACL DRYRUN`` would say the same but is an admin command that
-        application users are rarely granted, so it cannot be the probe.
+        application users are rarely granted, so it cannot be the probe. ``key_prefix``
+        is what every key of the caller starts with after the ``key_prefix`` option (a
+        connector's ``{namespace}/{model}/``), so key patterns are checked on a key of
+        the same shape as the real ones.
         """
-        key = self._probe_key()
+        key = self._probe_key(key_prefix)
         pipe.execute_command("SET", key, "", "XX")
         pipe.execute_command("GET", key)
         pipe.execute_command("EXISTS", key)
 
-    def _check_probe(self, replies: Sequence[Any]) -> None:
+    def _check_probe(self, replies: Sequence[Any], key_prefix: str) -> None:
         user = self.config.username or "default"
         for command, reply in zip(("SET", "GET", "EXISTS"), replies):
             if not isinstance(reply, Exception):
                 continue
             code = error_code(reply)
             if code == "NOPERM":
-                if "key" in str(reply) and not self.prefix:
-                    # The user is confined to some keys; without a key_prefix nothing
-                    # says which keys kvconn will use, so nothing can be concluded.
+                keys = "key" in str(reply)
+                if keys and not (self.prefix or key_prefix):
+                    # The user is confined to some keys; with no prefix at all nothing
+                    # says which keys the backend will use, so nothing can be concluded.
                     continue
-                what = (
-                    f"keys under key_prefix {self.prefix!r}"
-                    if "key" in str(reply)
-                    else f"the {command} command"
-                )
+                what, fix = f"the {command} command", "grant it"
+                if keys:
+                    what = f"keys under key_prefix {self.prefix!r}"
+                    if key_prefix:
+                        what = (
+                            f"keys under {self.prefix + key_prefix!r} (key_prefix "
+                            f"{self.prefix!r}, then kvconn's namespace and model {key_prefix!r})"
+                        )
+                    fix = "make its key patterns (ACL SETUSER … ~<pattern>) match them"
                 raise ConfigError(
                     f"redis at {self.config.where}: the ACL user {user!r} has no "
                     f"permission for {what}, which the backend needs "
-                    f"(server said: NOPERM {reply}); grant it or use another user"
+                    f"(server said: NOPERM {reply}); {fix} or use another user"
                 )
             if code == "READONLY":
                 raise ConfigError(
@@ -268,11 +291,11 @@ class ServerClient(_Commands):
     def _pipeline(self) -> Any:
         return self._redis.pipeline(transaction=False)
 
-    def check_access(self) -> None:
+    def check_access(self, key_prefix: str = "") -> None:
         """Connect once; refuse a cluster node, and a user who may not read or write."""
         pipe = self._pipeline()
         pipe.execute_command("INFO", "cluster")
-        self._probe(pipe)
+        self._probe(pipe, key_prefix)
         info, *probe = pipe.execute(raise_on_error=False)
         if isinstance(info, (rx.ConnectionError, rx.TimeoutError)):
             raise info
@@ -281,9 +304,11 @@ class ServerClient(_Commands):
                 f"redis at {self.config.where} is a Redis Cluster node: use "
                 "cluster=True (or a redis+cluster:// URL)"
             )
-        self._check_probe(probe)
+        self._check_probe(probe, key_prefix)
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]:
         prefix = self.prefix
         try:
             values = self._redis.execute_command(  # type: ignore[no-untyped-call]
@@ -291,7 +316,17 @@ class ServerClient(_Commands):
             )
         except rx.ResponseError as exc:
             raise reply_error(exc, self.config, "get") from exc
-        return self.fill(values, buffers)
+        statuses = self.fill(values, buffers)
+        nil = [i for i, value in enumerate(values) if value is None] if explain else []
+        if nil:
+            # MGET's nil is also its answer for a key holding a list or a hash: such a
+            # key is stored and can never load. (A key stored between the two round
+            # trips reads as unreadable too, and is deleted: one more miss, never a
+            # wrong byte, as in the connector's own check.)
+            for i, there in zip(nil, self.exists([keys[i] for i in nil])):
+                if there:
+                    statuses[i] = ReadStatus.WRONG_SIZE
+        return statuses
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         return _scan(self, self._redis, prefix, set())
@@ -351,26 +386,57 @@ class ClusterClient(_Commands):
     def __init__(self, config: RedisConfig) -> None:
         super().__init__(config)
         self._cluster: RedisCluster | None = None
-        self._lock = threading.Lock()
+        self._closed = False
+        self._lock = threading.Lock()  # making the client, and closing it
         self._pid = os.getpid()
+        #: Every node pool redis-py made for this client (it makes them through
+        #: _new_pool), redis-py's node table as a batch last saw it, and the pools no
+        #: table uses any more that still had a connection out; under _seen_lock.
+        self._pools: weakref.WeakSet[DeadlinePool] = weakref.WeakSet()
         self._nodes_seen: dict[str, Any] = {}
+        self._retired: set[DeadlinePool] = set()
+        self._seen_lock = threading.Lock()
+
+    def _new_pool(self, **kwargs: Any) -> DeadlinePool:
+        """redis-py's ``connection_pool_class``: every node pool, remembered (weakly)."""
+        pool = DeadlinePool(**kwargs)
+        with self._seen_lock:
+            self._pools.add(pool)
+        return pool
 
     def _after_batch(self) -> None:
-        """Close the idle connections of nodes that left the slot map.
+        """Close the connections of pools no node table uses any more, once idle.
 
         redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
         node failure) and just drops the nodes that left, whose pools keep their sockets
-        open until garbage collection gets to them.
+        open until garbage collection gets to them. With several threads, two things
+        make that worse: another thread's batch, routed by an older table, may still
+        have a connection to a departed node out when this one sees the new table, and
+        redis-py may install and replace a table between two batches' looks (a re-read
+        from a node that had not yet heard of a slot's move brings a node back, as a new
+        object with a new pool, until the next re-read drops it again). So each time
+        the table changed, every pool redis-py made for this client that the current
+        table does not use is retired, and every later batch closes what has come back
+        to a retired pool until nothing is out. The common case, nothing changed, takes
+        no lock.
         """
         cluster = self._cluster
-        nodes = cluster.nodes_manager.nodes_cache if cluster is not None else None
-        if nodes is None or nodes is self._nodes_seen:
+        if cluster is None:
             return
-        departed = [n for name, n in self._nodes_seen.items() if name not in nodes]
-        self._nodes_seen = nodes
-        for node in departed:
-            if node.redis_connection is not None:
-                node.redis_connection.connection_pool.disconnect(inuse_connections=False)
+        manager = cluster.nodes_manager
+        if manager.nodes_cache is self._nodes_seen and not self._retired:
+            return
+        with self._seen_lock:
+            nodes = manager.nodes_cache
+            if nodes is not self._nodes_seen:
+                self._nodes_seen = nodes
+                used = {
+                    id(node.redis_connection.connection_pool)
+                    for node in list(nodes.values())  # a copy at once: redis-py may add
+                    if node.redis_connection is not None
+                }
+                self._retired.update(pool for pool in self._pools if id(pool) not in used)
+            self._retired = {pool for pool in self._retired if pool.close_idle()}
 
     def _make(self) -> RedisCluster:
         config = self.config
@@ -381,7 +447,7 @@ class ClusterClient(_Commands):
             # connection_pool_class and connection_class: the deadline-aware ones.
             url=f"redis://{shown}:{port}",
             startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            connection_pool_class=DeadlinePool,
+            connection_pool_class=self._new_pool,
             connection_class=_connection_class(config),
             # Redirections are followed regardless; a failed node is not retried
             # within a call (the deadline would end it anyway), only at the next call.
@@ -396,6 +462,10 @@ class ClusterClient(_Commands):
         if os.getpid() != self._pid:  # a parent thread may have held the lock at fork
             self._lock, self._pid = threading.Lock(), os.getpid()
         with self._lock:
+            # A call that passed the backend's closed check as close() ran must not make
+            # a new client: nothing would ever close it.
+            if self._closed:
+                raise BackendError(f"redis at {self.config.where}: the backend is closed")
             if self._cluster is None:
                 self._cluster = self._make()
             return self._cluster
@@ -421,12 +491,15 @@ class ClusterClient(_Commands):
             names.append(served[0].name if served else "")  # unserved: the pipeline says
         return sorted(range(len(keys)), key=names.__getitem__)
 
-    def check_access(self) -> None:
+    def check_access(self, key_prefix: str = "") -> None:
         pipe = self._pipeline()
-        self._probe(pipe)
-        self._check_probe(pipe.execute(raise_on_error=False))
+        self._probe(pipe, key_prefix)
+        self._check_probe(pipe.execute(raise_on_error=False), key_prefix)
 
-    def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]:
+        # GET answers WRONGTYPE for a key holding no string: nil is only ever absent.
         return self.fill(self._run("GET", keys), buffers)
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
@@ -436,9 +509,15 @@ class ClusterClient(_Commands):
             yield from _scan(self, cluster.get_redis_connection(node), prefix, seen)
 
     def close(self) -> None:
-        cluster, self._cluster = self._cluster, None
+        with self._lock:
+            self._closed = True
+            cluster, self._cluster = self._cluster, None
         if cluster is not None:
-            cluster.close()
+            cluster.close()  # closes the pools of the nodes in its table only
+        with self._seen_lock:
+            pools, self._retired = list(self._pools), set()
+        for pool in pools:
+            pool.disconnect()
 
 
 def make_client(config: RedisConfig) -> ServerClient | ClusterClient:

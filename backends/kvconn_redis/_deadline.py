@@ -258,6 +258,16 @@ class DeadlinePool(ConnectionPool):  # type: ignore[misc]
         with released:
             released.notify()
 
+    def close_idle(self) -> int:
+        """Close the idle connections; how many are still out, in use by a call.
+
+        One hold of the pool's lock for both, so a connection released in between is
+        either closed now or counted as out (and closed by a later call).
+        """
+        with self._lock:  # an RLock: disconnect() takes it too
+            self.disconnect(inuse_connections=False)
+            return len(self._in_use_connections)
+
 
 def _pool_full(exc: BaseException) -> bool:
     """redis-py's "all connections in use" (``MaxConnectionsError`` since 6.x)."""

@@ -20,6 +20,7 @@ picklable values: the multi-process test opens the backend again in child proces
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import pytest
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 from kvconn.errors import BackendError, InvalidKeyError
 from kvconn.registry import load_backend
 from kvconn.testing.processes import rank_context, start
@@ -39,6 +40,25 @@ class ServerControl(Protocol):
     def stop(self) -> None: ...
 
     def start(self) -> None: ...
+
+
+class WriteStall(Protocol):
+    """Makes the real store hold the puts it receives, while it still answers ``exists``.
+
+    For the thread-safety tests: a put the store holds is a call in flight whose end the
+    test decides, so whether other threads' calls are answered meanwhile is an ordering
+    the test observes, not a duration it measures. (Redis: ``CLIENT PAUSE … WRITE``;
+    Mooncake: its storage processes stopped, the master still answering.)
+    """
+
+    def hold(self) -> None:
+        """From now on, hold every put that arrives."""
+
+    def holding(self) -> int:
+        """How many puts (requests, or keys) the store has received and is holding now."""
+
+    def release(self) -> None:
+        """Let every held put finish, and hold no more."""
 
 
 def _value(seed: int, size: int) -> bytes:
@@ -72,6 +92,23 @@ def _writer_process(
         queue.put((proc, all(seen), [bytes(b) for b in bufs]))
     except BaseException as exc:  # report, never hang the parent
         queue.put((proc, False, repr(exc)))
+
+
+def _replacer_process(
+    name: str, options: dict[str, Any], key: str, size: int, prefix: str, queue: Any
+) -> None:
+    """Delete ``key`` and store other bytes under it, plus enough new values that a
+    store reusing freed space would reuse the old value's (while a borrow holds it)."""
+    try:
+        backend = load_backend(name, options)
+        backend.delete([key])
+        backend.put([key], [_value(999, size)])
+        for i in range(8):
+            backend.put([f"{prefix}/filler/{i}"], [_value(1000 + i, 4 * size)])
+        backend.close()
+        queue.put(("done", None))
+    except BaseException as exc:  # report, never hang the parent
+        queue.put(("failed", repr(exc)))
 
 
 class BackendTests:
@@ -203,6 +240,60 @@ class BackendTests:
         assert backend.exists([]) == []
         assert backend.put([], []) == []
         assert backend.get([], []) == []
+        assert backend.read([], []) == []
+
+    # ------------------------------------------------------------ why a read failed
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_read_loads_exactly_what_get_loads(
+        self, backend: Backend, prefix: str, scratch: bool
+    ) -> None:
+        """``read`` is ``get`` telling why: the same keys load, with the same bytes."""
+        keys = [f"{prefix}/{i}" for i in range(5)]
+        values = [_value(i, 100 + 997 * i) for i in range(4)]
+        assert backend.put(keys[:4], values) == [True] * 4
+        # hits, one key twice, a miss, and a stored value asked with another size
+        asked = [keys[0], keys[1], keys[0], keys[4], keys[2], keys[3]]
+        sizes = [len(values[0]), len(values[1]), len(values[0]), 64, len(values[2]) + 1]
+        sizes.append(len(values[3]))
+        got = [bytearray(n) for n in sizes]
+        read = [bytearray(n) for n in sizes]
+        flags = backend.get(asked, got, scratch=scratch)
+        statuses = backend.read(asked, read, scratch=scratch)
+        assert flags == [True, True, True, False, False, True]
+        assert [s is ReadStatus.LOADED for s in statuses] == flags, statuses
+        for ok, a, b in zip(flags, got, read):
+            if ok:
+                assert a == b
+        assert bytes(read[2]) == values[0] and bytes(read[5]) == values[3]
+
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_an_absent_key_reads_as_missing_or_failed(
+        self, backend: Backend, prefix: str, scratch: bool
+    ) -> None:
+        """Never ``UNREACHABLE`` (the connector would keep counting a page that is not
+        there) nor ``WRONG_SIZE`` (it would delete a key nobody stored)."""
+        buf = bytearray(b"\xaa" * 8)
+        statuses = backend.read([f"{prefix}/nothing"], [buf], scratch=scratch)
+        assert statuses in ([ReadStatus.MISSING], [ReadStatus.FAILED])
+        if not scratch:
+            assert buf == bytearray(b"\xaa" * 8)
+
+    @pytest.mark.parametrize("size", [1, 5, 7, 4096])
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_a_value_of_another_size_reads_as_wrong_size_or_failed(
+        self, backend: Backend, prefix: str, size: int, scratch: bool
+    ) -> None:
+        """Stored but unusable: ``WRONG_SIZE`` makes the connector delete and rewrite it.
+        Never ``MISSING`` (it is stored) nor ``UNREACHABLE`` (it would be kept, failing
+        every load until the store dropped it)."""
+        key = f"{prefix}/six"
+        assert backend.put([key], [b"sixsix"]) == [True]
+        buf = bytearray(b"\x11" * size)
+        statuses = backend.read([key], [buf], scratch=scratch)
+        assert statuses in ([ReadStatus.WRONG_SIZE], [ReadStatus.FAILED])
+        if not scratch:
+            assert buf == bytearray(b"\x11" * size)
+        assert backend.exists([key]) == [True]  # reading it changed nothing
 
     @pytest.mark.parametrize(
         "key",
@@ -218,6 +309,9 @@ class BackendTests:
             backend.put([key], [b"v"])
         with pytest.raises(InvalidKeyError):
             backend.get([key], [bytearray(1)])
+        if backend.capabilities.borrowed_reads:
+            with pytest.raises(InvalidKeyError):
+                backend.borrow([key])
 
     def test_bad_batches_are_rejected_with_a_clear_error(
         self, backend: Backend, prefix: str
@@ -254,6 +348,16 @@ class BackendTests:
             (f"{prefix}/x/2", 2),
         ]
 
+    @pytest.mark.parametrize("outside", ["caf\u00e9", "with space", "nul\x00", "\udcc3"])
+    def test_a_prefix_outside_the_key_alphabet_lists_nothing(
+        self, backend: Backend, prefix: str, outside: str
+    ) -> None:
+        """No key can start with it; an answer, not an encoding error from the store."""
+        if not backend.capabilities.listing:
+            pytest.skip("backend does not declare listing")
+        backend.put([f"{prefix}/x/1"], [b"1"])
+        assert list(backend.list_keys(f"{prefix}/x/{outside}")) == []
+
     def test_registered_buffers_round_trip(self, backend: Backend, prefix: str) -> None:
         if not backend.capabilities.buffer_registration:
             pytest.skip("backend does not declare buffer registration")
@@ -279,6 +383,67 @@ class BackendTests:
             assert bytes(view[32768 : 32768 + 1500]) == b"\x33" * 1500
         finally:
             backend.unregister_buffer(view)
+
+    def test_a_backend_without_borrowed_reads_refuses_to_lend(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        if backend.capabilities.borrowed_reads:
+            pytest.skip("backend declares borrowed reads")
+        with pytest.raises(NotImplementedError, match="borrowed_reads"):
+            backend.borrow([f"{prefix}/k"])
+
+    def test_borrowed_views_show_the_stored_values_and_none_for_absent_keys(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        if not backend.capabilities.borrowed_reads:
+            pytest.skip("backend does not declare borrowed reads")
+        sizes = [1, 7, 4096, 65536 + 3, (1 << 20) + 1]
+        keys = [f"{prefix}/b{size}" for size in sizes]
+        values = [_value(size, size) for size in sizes]
+        assert backend.put(keys, values) == [True] * len(keys)
+        asked = [keys[3], f"{prefix}/absent", keys[0], keys[3], *keys[1:]]
+        expected = [values[3], None, values[0], values[3], *values[1:]]
+        with backend.borrow(asked) as views:
+            assert len(views) == len(asked)
+            for view, value in zip(views, expected):
+                if value is None:
+                    assert view is None
+                    continue
+                assert view is not None and view.readonly
+                assert view.nbytes == len(value) and bytes(view) == value
+        with backend.borrow([]) as nothing:
+            assert nothing == []
+
+    def test_borrowed_views_keep_their_bytes_while_another_process_replaces_the_value(
+        self, backend: Backend, backend_options: dict[str, Any], prefix: str
+    ) -> None:
+        """A view is the value as it was when lent, for the whole block: another
+        process deleting the key, storing other bytes under it and writing more may not
+        change it (LMDB: the read transaction pins its snapshot's pages)."""
+        if not backend.capabilities.borrowed_reads:
+            pytest.skip("backend does not declare borrowed reads")
+        if not backend.capabilities.delete:
+            pytest.skip("replacing a value needs delete")
+        size = 256 * 1024
+        key = f"{prefix}/lent"
+        original = _value(7, size)
+        backend.put([key], [original])
+        ctx = rank_context()
+        queue = ctx.Queue()
+        with backend.borrow([key]) as views:
+            proc = start(
+                ctx,
+                _replacer_process,
+                (self.backend_name, backend_options, key, size, prefix, queue),
+            )
+            status, detail = queue.get(timeout=120)
+            proc.join(timeout=30)
+            assert status == "done", detail
+            view = views[0]
+            assert view is not None and bytes(view) == original
+        buf = bytearray(size)
+        assert backend.get([key], [buf]) == [True]
+        assert bytes(buf) == _value(999, size)  # outside the block, the new value
 
     # ------------------------------------------------------------ model-based
     def test_random_operation_sequences_agree_with_a_first_writer_wins_dict(
@@ -361,6 +526,167 @@ class BackendTests:
         ]
         assert all(backend.exists(own))
 
+    # ------------------------------------------------------------ threads
+    #: Threads of the thread-safety test; each mixes exists, put, get and delete.
+    concurrent_threads: ClassVar[int] = 6
+    #: Options added to ``backend_options`` for the held-call test (say, a ``timeout_s``
+    #: longer than a loaded machine may take to observe the held put); none: the
+    #: ``backend`` fixture's backend.
+    held_call_options: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture
+    def write_stall(self) -> WriteStall:
+        pytest.skip("no way to hold this store's puts (the write_stall fixture)")
+
+    def test_threads_sharing_one_backend_each_get_exactly_their_answers(
+        self, backend: Backend, prefix: str
+    ) -> None:
+        """Interleaved batches from several threads: nothing lost, crossed or raised.
+
+        Each round a thread writes keys of its own (sizes on both sides of 64 KiB, which
+        some stores send differently), checks them, reads its neighbour's keys of the
+        round before (a value of the wrong size must still fail), deletes some of its
+        older keys, and puts its own value under keys every thread puts: first writer
+        wins, so every thread must read the one value that won. A put another writer had
+        in flight may leave the key reading as a miss for a moment, never as torn bytes.
+        """
+        if not backend.capabilities.thread_safe:
+            pytest.skip("backend does not declare thread_safe")
+        threads, rounds, own = self.concurrent_threads, 6, 5
+        can_delete = backend.capabilities.delete
+        shared_size = 5000
+        barrier = threading.Barrier(threads)
+        problems: list[str] = []
+        seen: dict[str, set[bytes]] = {}
+        seen_lock = threading.Lock()
+
+        def key(t: int, r: int, i: int) -> str:
+            return f"{prefix}/own/{t}/{r}/{i}"
+
+        def value(t: int, r: int, i: int) -> bytes:
+            size = (1, 97, 4096, 65536 + 11, 70_000)[i % 5] + t  # a crossed value misfits
+            return _value(t * 10_000 + r * 100 + i, size)
+
+        def shared(r: int) -> list[str]:
+            return [f"{prefix}/shared/{r}/{j}" for j in range(2)]
+
+        def candidates(k: str) -> set[bytes]:
+            r, j = (int(part) for part in k.rsplit("/", 2)[1:])
+            return {_value(1_000_000 + t * 100 + r * 10 + j, shared_size) for t in range(threads)}
+
+        def work(t: int) -> None:
+            for r in range(rounds):
+                mine = [key(t, r, i) for i in range(own)]
+                common = shared(r)
+                values = [value(t, r, i) for i in range(own)]
+                offers = [_value(1_000_000 + t * 100 + r * 10 + j, shared_size) for j in range(2)]
+                assert backend.exists(mine) == [False] * own, "a key no one wrote is present"
+                assert backend.put(mine + common, values + offers) == [True] * (own + 2)
+                assert backend.exists(mine) == [True] * own
+                bufs = [bytearray(len(v)) for v in values]
+                assert backend.get(mine, bufs) == [True] * own
+                assert [bytes(b) for b in bufs] == values, "a value came back crossed or torn"
+                common_bufs = [bytearray(shared_size) for _ in common]
+                for k, ok, buf in zip(common, backend.get(common, common_bufs), common_bufs):
+                    if ok:  # a miss while the winner's put is in flight is allowed
+                        assert bytes(buf) in candidates(k), "a shared value is torn"
+                        with seen_lock:
+                            seen.setdefault(k, set()).add(bytes(buf))
+                if r > 0:  # the neighbour's keys of the last round: all stored by now
+                    n = (t + 1) % threads
+                    theirs = [key(n, r - 1, i) for i in range(own)]
+                    expected = [value(n, r - 1, i) for i in range(own)]
+                    misfit = bytearray(len(expected[0]) + 1)  # one key, a wrong size too
+                    bufs = [bytearray(len(v)) for v in expected] + [misfit]
+                    got = backend.get(theirs + theirs[:1], bufs, scratch=True)
+                    assert got == [True] * own + [False], f"a neighbour's keys read {got}"
+                    assert [bytes(b) for b in bufs[:own]] == expected
+                if can_delete and r > 1:  # nobody reads the round before last any more
+                    old = [key(t, r - 2, i) for i in range(0, own, 2)]
+                    assert backend.delete(old) == [True] * len(old)
+                    assert backend.exists(old + mine[:1]) == [False] * len(old) + [True]
+                barrier.wait(timeout=120)
+
+        def run(t: int) -> None:
+            try:
+                work(t)
+            except threading.BrokenBarrierError:
+                pass  # another thread failed and said why
+            except BaseException as exc:
+                problems.append(f"thread {t}: {exc!r}")
+                barrier.abort()
+
+        workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=300)
+        assert not any(w.is_alive() for w in workers), "a thread hung"
+        assert not problems, problems
+        # Every put has finished: each shared key reads as the one value that won, and
+        # every thread that read it earlier saw that same value.
+        for r in range(rounds):
+            common = shared(r)
+            bufs = [bytearray(shared_size) for _ in common]
+            assert backend.get(common, bufs) == [True, True]
+            for k, buf in zip(common, bufs):
+                assert bytes(buf) in candidates(k)
+                assert seen.get(k, {bytes(buf)}) == {bytes(buf)}, f"threads disagree on {k}"
+
+    def test_puts_the_store_holds_do_not_hold_up_calls_from_other_threads(
+        self,
+        backend: Backend,
+        backend_options: dict[str, Any],
+        write_stall: WriteStall,
+        prefix: str,
+    ) -> None:
+        """Calls overlap: two puts the store holds are both in flight, and exists answers.
+
+        Judged by order, not by time: the store holds each put until the test releases
+        it, so a backend that serialized its calls (one lock around the round trip)
+        would never have the second put reach the store, nor answer the exists, until
+        then. Only after both happened are the puts let go, and both must succeed.
+        """
+        if not backend.capabilities.thread_safe:
+            pytest.skip("backend does not declare thread_safe")
+        store = backend
+        if self.held_call_options:
+            store = self.open_backend({**backend_options, **self.held_call_options})
+        present = f"{prefix}/present"
+        held = [f"{prefix}/held/{i}" for i in range(2)]
+        assert store.put([present], [b"here"]) == [True]
+        outcome: dict[str, object] = {}
+
+        def put(k: str) -> None:
+            try:
+                outcome[k] = store.put([k], [_value(len(k), 4096)])
+            except BaseException as exc:
+                outcome[k] = exc
+
+        write_stall.hold()
+        workers = [threading.Thread(target=put, args=(k,)) for k in held]
+        try:
+            for worker in workers:
+                worker.start()
+            deadline = time.monotonic() + 30
+            while write_stall.holding() < len(held):
+                assert not outcome, f"a put ended while the store held puts: {outcome}"
+                assert time.monotonic() < deadline, (
+                    f"the store held {write_stall.holding()} of {len(held)} puts: "
+                    "a call in flight kept the other from starting"
+                )
+                time.sleep(0.005)
+            assert store.exists([present, *held]) == [True, False, False]
+            assert not outcome, f"a put ended before the store let it: {outcome}"
+        finally:
+            write_stall.release()
+            for worker in workers:
+                worker.join(timeout=60)
+            if store is not backend:
+                store.close()
+        assert outcome == {k: [True] for k in held}
+        assert backend.exists(held) == [True, True]
+
     # ------------------------------------------------------------ server down
     def test_an_unreachable_store_raises_a_backend_error_not_a_miss(
         self, backend: Backend, server_control: ServerControl, prefix: str
@@ -373,8 +699,13 @@ class BackendTests:
                 backend.exists([key])
             with pytest.raises(BackendError):
                 backend.get([key], [bytearray(5)])
+            with pytest.raises(BackendError):  # "could not ask" is never a status
+                backend.read([key], [bytearray(5)], scratch=True)
             with pytest.raises(BackendError):
                 backend.put([f"{prefix}/new"], [b"value"])
+            if backend.capabilities.borrowed_reads:
+                with pytest.raises(BackendError), backend.borrow([key]):
+                    pass
         finally:
             server_control.start()
 

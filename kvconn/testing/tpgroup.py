@@ -3,11 +3,17 @@
 Shipped in the package so that every backend — ours and third-party ones — proves the
 group-level rules (ranks agree on hits; loads return exactly what the writer saved) on
 its real store, not only the per-call contract.
+
+With ``stripe=True`` the ranks also form a gloo process group and hand it to their
+connectors, so loads read each shared page once per group (:mod:`kvconn.striped_load`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +68,59 @@ class RankReport:
     loaded: list[int] = field(default_factory=list)
     mismatched_regions: int = 0
     verified_blocks: int = 0
+    #: per request, the blocks the load reported failed
+    failed: list[tuple[int, ...]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+#: Called on every rank after the group's lookup and before the load, with (rank,
+#: connector, request index, block hashes, hit); the ranks meet at a barrier after it.
+#: Must be picklable (a module-level function or a dataclass instance).
+BetweenLookupAndLoad = Callable[[int, Connector, int, list[bytes], int], None]
+
+
+@dataclass(frozen=True)
+class DamagePage:
+    """A fault between a lookup and its load: rank 0 evicts (deletes) or corrupts one
+    stored page of one block of one request, after the group found it.
+
+    ``component`` is the page's shard segment (``replicated``, ``w8r3``); a corrupted
+    page keeps its size, so only its checksum can tell.
+    """
+
+    request: int
+    block: int
+    component: str
+    corrupt: bool = False
+
+    def __call__(
+        self, rank: int, conn: Connector, request: int, hashes: list[bytes], hit: int
+    ) -> None:
+        if rank != 0 or request != self.request or hit <= self.block:
+            return
+        keys = [k for k in conn.keys.block_keys(hashes[self.block]) if f"/{self.component}/" in k]
+        assert len(keys) == 1, keys
+        assert conn.backend.delete(keys) == [True], f"could not delete {keys[0]}"
+        if self.corrupt:
+            plan = next(p for p in conn.plans if f"/{p.fingerprint}/" in keys[0])
+            garbage = bytes(range(256)) * (-(-plan.value_size // 256))
+            assert conn.backend.put(keys, [memoryview(garbage[: plan.value_size])]) == [True]
+
+
+def gloo_group(rank: int, world: int, rendezvous: str) -> Any:
+    """Join a gloo world of ``world`` processes through the file ``rendezvous`` and
+    return a group of all of them for kvconn (its own, as an engine should give it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    # a rank that died leaves the others in a collective this long, not gloo's 30 min
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timeout
+    )
+    return dist.new_group(list(range(world)), timeout=timeout)
 
 
 def _rank_main(
@@ -73,12 +130,19 @@ def _rank_main(
     requests: list[list[int]],
     barrier: Any,
     queue: Any,
+    rendezvous: str | None = None,
+    between: BetweenLookupAndLoad | None = None,
 ) -> None:
     report = RankReport(rank)
     try:
         layout = layout_factory()
         pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
-        conn = Connector(ConnectorConfig.from_dict(config), layout, rank=rank, pools=pools)
+        group = None if rendezvous is None else gloo_group(rank, layout.tp_size, rendezvous)
+        if group is not None:  # a group is for striped loads here, unless the config says
+            config = {"stripe_reads": True, **config}
+        conn = Connector(
+            ConnectorConfig.from_dict(config), layout, rank=rank, pools=pools, group=group
+        )
         num_slots = layout.groups[0].num_slots
         for tokens in requests:
             hashes = block_hashes(tokens, layout.tokens_per_block)[:num_slots]
@@ -86,9 +150,13 @@ def _rank_main(
             barrier.wait()  # nobody writes while the group looks up
             hit = conn.lookup(hashes).blocks
             report.hits.append(hit)
+            if between is not None:
+                barrier.wait()  # every rank has its hit before the fault
+                between(rank, conn, len(report.hits) - 1, hashes, hit)
             barrier.wait()
             result = conn.load(hashes[:hit], slots[:hit])
             report.loaded.append(result.loaded)
+            report.failed.append(result.failed)
             for i in range(result.loaded):
                 report.mismatched_regions += verify_block(layout, rank, pools, hashes[i], slots[i])
                 report.verified_blocks += 1
@@ -98,6 +166,10 @@ def _rank_main(
             barrier.wait()  # every rank's pages are stored before the next lookup
         report.stats = conn.stats.snapshot()
         conn.close()
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     except BaseException as exc:
         report.error = f"{type(exc).__name__}: {exc}"
         barrier.abort()
@@ -128,17 +200,25 @@ def run_tp_group(
     requests: list[list[int]],
     *,
     timeout_s: float = 240,
+    stripe: bool = False,
+    between: BetweenLookupAndLoad | None = None,
 ) -> list[RankReport]:
-    """Run every rank as a process over ``requests``; reports ordered by rank."""
+    """Run every rank as a process over ``requests``; reports ordered by rank.
+
+    ``stripe``: the ranks form a gloo group and stripe their loads over it.
+    ``between``: a fault to inject between each lookup and its load.
+    """
     tp = layout_factory().tp_size
     ctx = rank_context()
     barrier = ctx.Barrier(tp, timeout=timeout_s)
     queue = ctx.Queue()
     procs = []
     reports = []
+    workdir = tempfile.mkdtemp(prefix="kvconn-tpgroup-")
+    rendezvous = os.path.join(workdir, "rendezvous") if stripe else None
     try:
         for r in range(tp):
-            args = (r, layout_factory, config, requests, barrier, queue)
+            args = (r, layout_factory, config, requests, barrier, queue, rendezvous, between)
             procs.append(start(ctx, _rank_main, args))
         for _ in procs:
             reports.append(queue.get(timeout=timeout_s))
@@ -147,6 +227,7 @@ def run_tp_group(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
     return sorted(reports, key=lambda r: r.rank)
 
 

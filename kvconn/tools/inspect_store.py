@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconn.backend import Backend
-from kvconn.config import ConnectorConfig
+from kvconn.config import ConnectorConfig, typed_text
 from kvconn.errors import ConfigError
 from kvconn.integrity import SCHEMES as CHECKSUM_SCHEMES
 from kvconn.keys import (
@@ -45,6 +45,7 @@ from kvconn.keys import (
     manifest_prefix,
     parse_key,
     parse_manifest_key,
+    spell_prefix,
 )
 from kvconn.manifest import ManifestError, PageManifest
 from kvconn.registry import accepted_options, backend_class, installed_backends, load_backend
@@ -318,7 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix",
         default="",
-        help="only keys starting with this (e.g. 'kvconn/minimax-m3/'); default all keys",
+        help="only keys starting with this (e.g. 'kvconn/minimax-m3/'); default all keys. "
+        "Characters that keys escape in names are escaped the same way ('modèle' finds "
+        "'mod%%C3%%A8le'); '/' and '%%' are taken as written",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_store_arguments(parser)
@@ -348,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
     # Every field of a --config file is checked as a connector would check it, though
     # inspect needs only the store and the namespace from it.
     config = ConnectorConfig.from_dict({"model": "inspect", **settings})
-    prefix = args.prefix
+    # Typed text, spelt as keys spell names: `--prefix kvconn/modèle` finds model modèle.
+    prefix = spell_prefix(str(typed_text(args.prefix, "--prefix")))
     if not prefix and settings.get("namespace") is not None:
         prefix = f"{key_part(config.namespace, 'namespace')}/"  # as keys spell it
     options = dict(settings["options"])

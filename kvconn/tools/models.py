@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvconn.config import load_toml
+from kvconn.config import load_toml, unknown_names
 from kvconn.errors import ConfigError, LayoutError
-from kvconn.layout import KvLayout, LayerGroup, Region, Role, shard_position
+from kvconn.layout import KvLayout, LayerGroup, Region, Role, UnitLayout, shard_position
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,9 @@ class Preset:
         block for every layer, layer after layer; inside a layer the pool's roles follow
         each other in declared order. Regions are declared pool by pool, then layer by
         layer, so that the page mover can fold a role's layers into one strided run.
+        Inside a region, a sharded role's heads follow each other, each head's tokens
+        contiguous (TensorRT-LLM's ``[heads, tokens, head bytes]``): its unit layout,
+        which pages cut at ``shard_heads`` need.
         """
         n_layers = self.resolve_layers(layers)
         for what, value in (("tokens_per_block", tokens_per_block), ("num_slots", num_slots)):
@@ -248,7 +251,13 @@ class Preset:
                 offset = layer * per_layer
                 for role in members:
                     size = per_token[role.name] * tokens_per_block
-                    regions.append(Region(role.name, layer, offset, size, stride, num_slots, pool))
+                    units = None
+                    if not role.replicated:
+                        inner = role.bytes_per_unit * tokens_per_block
+                        units = UnitLayout(size // inner, inner)
+                    regions.append(
+                        Region(role.name, layer, offset, size, stride, num_slots, pool, units)
+                    )
                     offset += size
             pool_sizes.append(stride * num_slots)
         return KvLayout(
@@ -367,11 +376,8 @@ def preset_from_dict(data: Mapping[str, Any], where: str = "layout") -> Preset:
     Unknown keys are errors, like everywhere in kvconn's configuration: a misspelt
     ``bytes_per_unt`` must not silently produce a different footprint.
     """
-    unknown = sorted(set(data) - _FILE_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_FILE_KEYS))}"
-        )
+    if set(data) - _FILE_KEYS:
+        raise unknown_names("key", set(data) - _FILE_KEYS, _FILE_KEYS, where=where)
     for required in ("name", "layers", "roles"):
         if required not in data:
             raise ConfigError(f"{where}: missing {required!r}")
@@ -383,12 +389,8 @@ def preset_from_dict(data: Mapping[str, Any], where: str = "layout") -> Preset:
         here = f"{where}: roles[{i}]"
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{here} must be a table")
-        unknown = sorted(set(raw) - _ROLE_KEYS)
-        if unknown:
-            raise ConfigError(
-                f"{here}: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(_ROLE_KEYS))}"
-            )
+        if set(raw) - _ROLE_KEYS:
+            raise unknown_names("key", set(raw) - _ROLE_KEYS, _ROLE_KEYS, where=here)
         missing = [k for k in ("name", "units", "bytes_per_unit", "dtype") if k not in raw]
         if missing:
             raise ConfigError(f"{here}: missing {', '.join(missing)}")

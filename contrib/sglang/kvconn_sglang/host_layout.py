@@ -1,9 +1,15 @@
-"""SGLang's HiCache host pool described as a kvconn layout.
+"""SGLang's HiCache host pools described as a kvconn layout.
 
 A kvconn block is one SGLang page (``page_size`` tokens) and its slot is the page's
 index in the host pool, so a page moves between the store and the host pool in place.
 Regions are declared in the order of SGLang's own flat page (``get_data_page``), so a
 stored page holds the same bytes SGLang's file backend would write for that layout.
+
+Each host pool is a layer group of its own, over a pool tensor of its own: the KV pool
+(the anchor) is group 0, and a side pool SGLang moves through its v2 calls
+(DeepSeek-V3.2's DSA indexer) is group 1. SGLang transfers each pool by its own call and
+reports each pool's pages separately, so each call moves exactly one group; the hit is
+still one lookup over every group (a block needs both pages).
 
 The host layout is part of each role's dtype, hence of every key: ``page_first`` and
 ``page_first_direct`` pages have the same size but another byte order, and a reader in
@@ -12,6 +18,7 @@ one layout must miss pages written in the other, never reinterpret them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +37,12 @@ SUPPORTED_LAYOUTS = (LAYER_FIRST, *PAGE_MAJOR)
 class HostPoolShape:
     """What the adapter reads off a host pool (duck-typed, so tests need no SGLang).
 
-    ``kind`` is ``"mha"`` (``kv_buffer`` holds K and V on dim 0) or ``"mla"`` (one
-    latent per token, identical on every rank).
+    ``kind`` is ``"mha"`` (``kv_buffer`` holds K and V on dim 0), ``"mla"`` (one latent
+    per token, identical on every rank) or ``"indexer"`` (DeepSeek-V3.2's DSA index keys
+    with their scales, one packed row per page and layer, identical on every rank:
+    ``[layers, pages, bytes]`` in ``layer_first``, ``[pages, layers, 1, bytes]`` in the
+    page-major layouts; SGLang allocates a page or two more than the KV pool, which no
+    transfer addresses). ``name`` is SGLang's name of the pool (``kv``, ``indexer``).
     """
 
     kind: str
@@ -41,6 +52,7 @@ class HostPoolShape:
     size: int  # tokens, a multiple of page_size
     kv_buffer: torch.Tensor
     head_num: int = 1  # KV heads on this rank (MHA)
+    name: str = "kv"
 
 
 def kv_units(head_num: int, tp_size: int, kv_heads: int | None) -> int:
@@ -66,53 +78,127 @@ def kv_units(head_num: int, tp_size: int, kv_heads: int | None) -> int:
     return kv_heads
 
 
-def describe_host_pool(shape: HostPoolShape, tp_size: int, units: int) -> KvLayout:
-    """The kvconn layout of one rank's host pool; ``units`` is the K/V role's (MHA)."""
-    if shape.layout not in SUPPORTED_LAYOUTS:
-        raise LayoutError(
-            f"HiCache host layout {shape.layout!r} is not supported by kvconn; use one of "
-            f"{', '.join(SUPPORTED_LAYOUTS)}"
-        )
-    if shape.size % shape.page_size != 0:
-        raise LayoutError(
-            f"host pool of {shape.size} tokens is not a whole number of "
-            f"{shape.page_size}-token pages"
-        )
+def describe_host_pool(
+    shape: HostPoolShape,
+    tp_size: int,
+    units: int,
+    side_pools: Sequence[HostPoolShape] = (),
+) -> KvLayout:
+    """The kvconn layout of one rank's host pools; ``units`` is the K/V role's (MHA).
+
+    ``shape`` is the KV pool (layer group 0, pool 0); each of ``side_pools`` is the next
+    group over the next pool, with the KV pool's slot numbering (SGLang moves a side
+    pool with the KV pool's host indices).
+    """
+    for pool in (shape, *side_pools):
+        if pool.layout not in SUPPORTED_LAYOUTS:
+            raise LayoutError(
+                f"HiCache host layout {pool.layout!r} is not supported by kvconn; use one of "
+                f"{', '.join(SUPPORTED_LAYOUTS)}"
+            )
+        if pool.size % pool.page_size != 0:
+            raise LayoutError(
+                f"host pool {pool.name!r} of {pool.size} tokens is not a whole number of "
+                f"{pool.page_size}-token pages"
+            )
+        if (pool.size, pool.page_size) != (shape.size, shape.page_size):
+            raise LayoutError(
+                f"host pool {pool.name!r} holds {pool.size} tokens in {pool.page_size}-token "
+                f"pages, the KV pool {shape.size} in {shape.page_size}-token pages: a side "
+                "pool must follow the KV pool's slots"
+            )
     pages = shape.size // shape.page_size
-    buffer = shape.kv_buffer
-    dtype = f"{str(buffer.dtype).removeprefix('torch.')}:{shape.layout}"
-    roles: tuple[Role, ...]
-    if shape.kind == "mha":
-        roles = (Role("k", units, dtype), Role("v", units, dtype))
-        components = [("k", buffer[0]), ("v", buffer[1])]
-    elif shape.kind == "mla":
-        roles = (Role("latent", 1, dtype),)
-        components = [("latent", buffer)]
-    else:
-        raise LayoutError(f"unknown host pool kind {shape.kind!r}")
-    regions: list[Region] = []
-    for role, tensor in components:
-        if shape.layout == LAYER_FIRST:
-            # [layer, token, …]: one region per layer, a page is page_size token rows
-            if tensor.shape[0] != shape.layer_num:
-                raise LayoutError(
-                    f"{role}: layer_first buffer has {tensor.shape[0]} layers, "
-                    f"the host pool says {shape.layer_num}"
-                )
-            for layer in range(shape.layer_num):
-                view = tensor[layer].reshape(pages, -1)
-                regions.append(Region.from_tensor(role, layer, view, buffer))
-        else:
-            # [page or token, …]: a whole page of every layer is one contiguous range
-            regions.append(Region.from_tensor(role, 0, tensor.reshape(pages, -1), buffer))
-    group = LayerGroup(0, pages, tuple(regions), name=f"hicache {shape.layout}")
+    roles: dict[str, Role] = {}
+    groups: list[LayerGroup] = []
+    for index, pool in enumerate((shape, *side_pools)):
+        dtype = f"{str(pool.kv_buffer.dtype).removeprefix('torch.')}:{pool.layout}"
+        regions: list[Region] = []
+        for role, views in _components(pool, pages, units, dtype, roles):
+            regions.extend(
+                Region.from_tensor(role, layer, view, pool.kv_buffer, index)
+                for layer, view in views
+            )
+        label = f"hicache {pool.layout}" if index == 0 else f"hicache {pool.name} {pool.layout}"
+        groups.append(LayerGroup(index, pages, tuple(regions), name=label))
     return KvLayout(
         tp_size=tp_size,
         tokens_per_block=shape.page_size,
-        roles=roles,
-        groups=(group,),
-        pool_sizes=(buffer.numel() * buffer.element_size(),),
+        roles=tuple(roles.values()),
+        groups=tuple(groups),
+        pool_sizes=tuple(
+            p.kv_buffer.numel() * p.kv_buffer.element_size() for p in (shape, *side_pools)
+        ),
     )
+
+
+def _components(
+    pool: HostPoolShape, pages: int, units: int, dtype: str, roles: dict[str, Role]
+) -> list[tuple[str, list[tuple[int, torch.Tensor]]]]:
+    """Per role of ``pool`` (declared into ``roles``), its ``(layer, view)`` regions, each
+    view ``[pages, bytes of one page]`` in the order of SGLang's flat page."""
+
+    def declare(role: Role) -> str:
+        if role.name in roles:
+            raise LayoutError(f"host pool {pool.name!r}: role {role.name!r} is declared twice")
+        roles[role.name] = role
+        return role.name
+
+    buffer = pool.kv_buffer
+    if pool.kind == "indexer":
+        # one packed row per page (and layer): the rows past the KV pool's pages are
+        # never addressed by a transfer, so the slots are the KV pool's
+        role = declare(Role("index_k", 1, dtype))
+        if pool.layout not in (LAYER_FIRST, "page_first", "page_first_direct"):
+            raise LayoutError(f"SGLang has no {pool.layout} layout for the indexer pool")
+        if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
+            _check_rows(pool, buffer, pages, layer_dim=0, page_dim=1, dims=3)
+            return [(role, [(layer, buffer[layer, :pages]) for layer in range(pool.layer_num)])]
+        # [pages, layers, 1, bytes]: a whole page of every layer is one contiguous range
+        _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
+        return [(role, [(0, buffer[:pages].reshape(pages, -1))])]
+    if pool.kind == "mha":
+        components = [
+            (declare(Role("k", units, dtype)), buffer[0]),
+            (declare(Role("v", units, dtype)), buffer[1]),
+        ]
+    elif pool.kind == "mla":
+        components = [(declare(Role("latent", 1, dtype)), buffer)]
+    else:
+        raise LayoutError(f"unknown host pool kind {pool.kind!r}")
+    out: list[tuple[str, list[tuple[int, torch.Tensor]]]] = []
+    for role, tensor in components:
+        if pool.layout == LAYER_FIRST:
+            # [layer, token, …]: one region per layer, a page is page_size token rows
+            if tensor.shape[0] != pool.layer_num:
+                raise LayoutError(
+                    f"{role}: layer_first buffer has {tensor.shape[0]} layers, "
+                    f"the host pool says {pool.layer_num}"
+                )
+            views = [(layer, tensor[layer].reshape(pages, -1)) for layer in range(pool.layer_num)]
+            out.append((role, views))
+        else:
+            # [page or token, …]: a whole page of every layer is one contiguous range
+            out.append((role, [(0, tensor.reshape(pages, -1))]))
+    return out
+
+
+def _check_rows(
+    pool: HostPoolShape,
+    buffer: torch.Tensor,
+    pages: int,
+    *,
+    layer_dim: int,
+    page_dim: int,
+    dims: int,
+) -> None:
+    """A side pool's buffer holds its layers and at least the KV pool's pages."""
+    shape = tuple(buffer.shape)
+    if len(shape) != dims or shape[layer_dim] != pool.layer_num or shape[page_dim] < pages:
+        raise LayoutError(
+            f"host pool {pool.name!r}: a {pool.layout} buffer of shape {shape} does not hold "
+            f"{pool.layer_num} layers on dimension {layer_dim} and {pages} pages on "
+            f"dimension {page_dim}"
+        )
 
 
 def page_slots(host_indices: torch.Tensor, page_size: int, n_pages: int) -> torch.Tensor:

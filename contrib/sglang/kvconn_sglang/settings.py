@@ -14,13 +14,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvconn.config import ConnectorConfig
+from kvconn.config import ConnectorConfig, unknown_names
+from kvconn.engine_settings import EngineModel, adapter_config, check_kv_heads
 from kvconn.errors import ConfigError
 
 #: Keys SGLang itself reads from the extra config of a dynamic backend.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: Keys of this adapter.
 ADAPTER_KEYS = frozenset({"kvconn", "kv_heads"})
+
+
+def engine_model(server_args: Any, served_name: str | None) -> EngineModel | None:
+    """The weights SGLang loads (``--model-path``, ``--revision``, ``--quantization``).
+
+    ``server_args`` is SGLang's published ``ServerArgs`` (``None`` when none was
+    published); only then is the name SGLang serves under (an alias, possibly shared by
+    different models) the fallback.
+    """
+    if server_args is not None and getattr(server_args, "model_path", None):
+        return EngineModel.of(
+            server_args.model_path,
+            getattr(server_args, "revision", None),
+            getattr(server_args, "quantization", None),
+        )
+    return EngineModel.of(served_name) if served_name else None
 
 
 @dataclass(frozen=True)
@@ -38,22 +55,24 @@ class AdapterSettings:
     def from_extra_config(
         cls,
         extra: Mapping[str, Any] | None,
-        model_name: str | None,
+        model: EngineModel | str | None,
         environ: Mapping[str, str] | None = None,
     ) -> AdapterSettings:
         """Settings from SGLang's extra config, kvconn's environment and the served model.
 
         kvconn's configuration is the ``kvconn`` table, overlaid by ``$KVCONN_CONFIG``
-        and ``KVCONN_*`` variables (``ConnectorConfig.from_env``); ``model`` defaults to
-        the model name SGLang serves under.
+        and ``KVCONN_*`` variables, as in every adapter (:mod:`kvconn.engine_settings`);
+        ``model`` defaults to the weights SGLang loads (:func:`engine_model`).
         """
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - SGLANG_KEYS - ADAPTER_KEYS)
+        unknown = set(extra) - SGLANG_KEYS - ADAPTER_KEYS
         if unknown:
-            raise ConfigError(
-                f"unknown key(s) in the HiCache extra config: {', '.join(unknown)}; "
-                f"kvconn's adapter reads {', '.join(sorted(ADAPTER_KEYS))} "
-                f"(SGLang reads {', '.join(sorted(SGLANG_KEYS))})"
+            raise unknown_names(
+                "key",
+                unknown,
+                ADAPTER_KEYS,
+                where="the HiCache extra config",
+                note=f"SGLang's own: {', '.join(sorted(SGLANG_KEYS))}",
             )
         if not extra.get("interface_v1"):
             raise ConfigError(
@@ -61,19 +80,12 @@ class AdapterSettings:
                 "in the extra config (without it SGLang copies each page through a "
                 "temporary tensor and calls methods this backend does not provide)"
             )
-        table = extra.get("kvconn", {})
-        if not isinstance(table, Mapping):
-            raise ConfigError(
-                f"the extra config's 'kvconn' entry must be a table of kvconn settings, "
-                f"got {type(table).__name__}"
-            )
-        base = dict(table)
-        if "model" not in base and model_name:
-            base["model"] = model_name
-        connector = ConnectorConfig.from_env(environ, base=base)
-        kv_heads = extra.get("kv_heads")
-        if kv_heads is not None and (
-            isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1
-        ):
-            raise ConfigError(f"kv_heads must be a positive int, got {kv_heads!r}")
-        return cls(connector, kv_heads)
+        if isinstance(model, str):
+            model = EngineModel.of(model) if model else None
+        connector = adapter_config(
+            extra.get("kvconn"),
+            engine_model=model,
+            environ=environ,
+            where="the extra config's 'kvconn' entry",
+        )
+        return cls(connector, check_kv_heads(extra.get("kv_heads"), "the HiCache extra config"))

@@ -12,6 +12,15 @@ so instead of a device-to-host copy it writes known bytes into the host pool; th
 calls ``write_storage`` and ``prefetch`` and moves operations between the controller's
 queues as the radix cache does (hit query → host allocation → ``prefetch_buffer`` →
 acks). Only the GPU↔host copies are absent.
+
+A ``dsa`` case is DeepSeek-V3.2's cache: SGLang's ``DSATokenToKVPool`` on the device, an
+MLA host pool and the DSA indexer host pool (``DSAIndexerPoolHost``) in a
+``HostPoolGroup``, under SGLang's ``HybridCacheController``, which moves the indexer
+through the v2 calls with the ``PoolTransfer`` the radix cache builds for it. SGLang's
+own builder for that group (``build_host_pool_group``) cannot run on this CPU machine: it
+pins the host buffers with ``cudaHostRegister`` ("AssertionError: Torch not compiled
+with CUDA enabled"), so the harness builds the same two host pool classes itself, with
+``pin_memory=False``, from the device pool's own declaration of the indexer pool.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ class Case:
     """
 
     name: str
-    model: str = "mha"  # "mha" or "mla"
+    model: str = "mha"  # "mha", "mla" or "dsa" (MLA + DeepSeek-V3.2's indexer pool)
     layout: str = "layer_first"
     page_size: int = 4
     layers: int = 2
@@ -70,7 +79,7 @@ class Case:
 
     def shard_of(self, rank: int) -> int:
         """Which distinct copy of the K/V bytes ``rank`` holds (equal → identical bytes)."""
-        if self.model == "mla":
+        if self.model in ("mla", "dsa"):
             return 0
         num_shards = min(WORLD, self.global_kv_heads)
         return rank // (WORLD // num_shards)
@@ -81,11 +90,13 @@ class EvictPage:
     """A ``between_hit_and_get`` hook: rank 0 deletes one page of one block from the store.
 
     ``component`` is the page's shard segment (``w2r1``, ``replicated``), so a test can
-    take away a page that only one rank loads.
+    take away a page that only one rank loads; ``group`` its layer group (``1``: the
+    indexer pool of a ``dsa`` case).
     """
 
     block: int
     component: str
+    group: int = 0
 
     def __call__(self, rank: int, storage: Any, page_hashes: list[str]) -> None:
         if rank != 0:
@@ -96,9 +107,8 @@ class EvictPage:
 
         conn = storage.connector
         digest = adopt_hashes(HASH_SCHEME, [page_hashes[self.block]])
-        keys = [
-            k for k in lookup_keys(conn.prefix, conn.plans, digest)[0] if f"/{self.component}/" in k
-        ]
+        where = f"/{self.component}/lg{self.group}/"
+        keys = [k for k in lookup_keys(conn.prefix, conn.plans, digest)[0] if where in k]
         assert len(keys) == 1, keys
         assert conn.backend.delete(keys) == [True], f"could not delete {keys[0]}"
 
@@ -203,12 +213,28 @@ def _publish(case: Case, rank: int, model_dir: str) -> None:
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
 
 
-def _pools(case: Case) -> tuple[Any, Any]:
-    """SGLang's CPU device pool, its allocator and a host pool in ``case.layout``."""
+@dataclass
+class Pools:
+    """What a case's controller runs over: SGLang's allocator, the KV host pool, the DSA
+    indexer host pool (``dsa``) and the host pool object the controller gets (the
+    ``HostPoolGroup`` of both for ``dsa``)."""
+
+    allocator: Any
+    host: Any
+    indexer: Any = None
+    controller_pool: Any = None
+
+
+def _pools(case: Case) -> Pools:
+    """SGLang's CPU device pool, its allocator and host pools in ``case.layout``."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import (
+        DSATokenToKVPool,
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+    )
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dtype = getattr(torch, case.dtype)
@@ -231,18 +257,36 @@ def _pools(case: Case) -> tuple[Any, Any]:
         # pin_memory=False: pinning needs CUDA; SGLang's builder always pins
         host = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
     else:
-        device = MLATokenToKVPool(
-            tokens,
-            case.page_size,
-            dtype,
-            case.kv_lora_rank,
-            case.rope_dim,
-            case.layers,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=case.layers,
-        )
+        if case.model == "dsa":
+            # DeepSeek-V3.2: the MLA latent plus the indexer's fp8 keys and scales (head
+            # dim 128, SGLang's only one), on SGLang's 64-token DSA pages
+            device = DSATokenToKVPool(
+                tokens,
+                case.page_size,
+                case.kv_lora_rank,
+                dtype,
+                case.rope_dim,
+                case.layers,
+                "cpu",
+                128,
+                False,
+                case.kv_lora_rank + case.rope_dim,
+                start_layer=0,
+                end_layer=case.layers,
+            )
+        else:
+            device = MLATokenToKVPool(
+                tokens,
+                case.page_size,
+                dtype,
+                case.kv_lora_rank,
+                case.rope_dim,
+                case.layers,
+                "cpu",
+                False,
+                start_layer=0,
+                end_layer=case.layers,
+            )
         host = MLATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             layout=case.layout,
@@ -255,15 +299,54 @@ def _pools(case: Case) -> tuple[Any, Any]:
             **common,
         )
     allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", device, False)
-    return allocator, host
+    if case.model != "dsa":
+        return Pools(allocator, host, controller_pool=host)
+    return _dsa_pools(case, allocator, device, host)
 
 
-def expected_page(case: Case, shard: int, page: int, numel: int, dtype: Any) -> Any:
-    """The bytes shard ``shard`` holds for page ``page``: seeded, so ranks agree."""
+def _dsa_pools(case: Case, allocator: Any, device: Any, host: Any) -> Pools:
+    """The KV and indexer host pools in a ``HostPoolGroup``, as SGLang's DSA stack
+    (``_DsaStrategy``: ``prepare_host_pool_config`` + ``build_host_pool_group``) makes
+    them, from the device pool's own pool declarations; only pinning is left out."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+
+    decls = {decl.pool_name: decl for decl in device.host_pool_decls()}
+    indexer = DSAIndexerPoolHost(decls[PoolName.INDEXER], host, pin_memory=False)
+    layers = {layer: layer for layer in range(case.layers)}
+    group = HostPoolGroup(
+        [
+            build_pool_entry(
+                name=PoolName.KV,
+                host_pool=host,
+                device_pool=device,
+                layer_mapping=layers,
+                transfer_layer_id_max=case.layers,
+                is_anchor=True,
+            ),
+            build_pool_entry(
+                name=PoolName.INDEXER,
+                host_pool=indexer,
+                device_pool=device,
+                layer_mapping=layers,
+                transfer_layer_id_max=case.layers,
+            ),
+        ]
+    )
+    return Pools(allocator, host, indexer, group)
+
+
+def expected_page(
+    case: Case, shard: int, page: int, numel: int, dtype: Any, pool: str = "kv"
+) -> Any:
+    """The bytes shard ``shard`` holds for page ``page`` of ``pool``: seeded, so ranks agree."""
     import torch
 
     seed = int.from_bytes(
-        hashlib.blake2b(f"{case.name}|{shard}|{page}".encode(), digest_size=8).digest(), "little"
+        hashlib.blake2b(f"{case.name}|{pool}|{shard}|{page}".encode(), digest_size=8).digest(),
+        "little",
     )
     gen = torch.Generator().manual_seed(seed & (2**63 - 1))
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -290,24 +373,37 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     started = time.monotonic()
     _publish(case, rank, model_dir)
-    allocator, host = _pools(case)
+    pools = _pools(case)
+    host = pools.host
     ps = case.page_size
-    controller = HiCacheController(
-        allocator,
-        host,
-        ps,
-        dist.group.WORLD,
-        threading.Event(),
+    common = dict(
         io_backend="direct",
         storage_backend=case.backend,
         prefetch_threshold=ps,
         model_name="kvconn-test-model",
         storage_backend_extra_config=dict(case.extra_config),
     )
+    if case.model == "dsa":
+        controller = HybridCacheController(
+            pools.allocator,
+            pools.controller_pool,
+            ps,
+            dist.group.WORLD,
+            threading.Event(),
+            transfer_layer_id_max=case.layers,
+            **common,
+        )
+    else:
+        controller = HiCacheController(
+            pools.allocator, host, ps, dist.group.WORLD, threading.Event(), **common
+        )
+    # What each pool holds, for writing known bytes and reading them back.
+    side = {"kv": host} | ({"indexer": pools.indexer} if pools.indexer is not None else {})
     result: dict[str, Any] = {"rank": rank, "case": asdict(case) | {"between_hit_and_get": None}}
     try:
         storage = controller.storage_backend
@@ -315,24 +411,34 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         tokens = case_tokens(case)
         hashes = get_storage_hash_str(tokens, None, page_size=ps)
         shard = case.shard_of(rank)
-        page_numel = host.get_dummy_flat_data_page().numel()
+
+        # a flat page's element type: the indexer's is its own (bytes), not the model's
+        dtypes = {name: pool.get_dummy_flat_data_page().dtype for name, pool in side.items()}
+
+        def page(pool: str, i: int) -> Any:
+            numel = side[pool].get_dummy_flat_data_page().numel()
+            return expected_page(case, shard, i, numel, dtypes[pool], pool)
 
         # pass 1: a cold request misses, then its pages are written through
-        result["cold_hit_tokens"] = _hit_query(controller, "cold", tokens)[1]
+        result["cold_hit_tokens"] = _hit_query(controller, case, "cold", tokens)[1]
         written = host.alloc(len(tokens))
-        for i in range(case.pages):
-            page = expected_page(case, shard, i, page_numel, host.dtype).view(host.dtype)
-            host.set_from_flat_data_page(int(written[i * ps]), page)
-        controller.write_storage(written, tokens, hash_value=hashes)
+        for name, pool in side.items():
+            for i in range(case.pages):
+                pool.set_from_flat_data_page(int(written[i * ps]), page(name, i).view(dtypes[name]))
+        controller.write_storage(written, tokens, hash_value=hashes, **_sidecars(case, keys=hashes))
         backup = _wait(controller.ack_backup_queue, "backup ack")
         result["backup_completed_tokens"] = backup.completed_tokens
         dist.barrier()
         host.free(written)
-        host.kv_buffer.zero_()  # what is read back must come from the store
+        for pool in side.values():  # what is read back must come from the store
+            _buffer(pool).zero_()
 
         # pass 2: the same prompt hits and loads the pages into fresh host slots
-        op, hit = _hit_query(controller, "warm", tokens)
+        op, hit = _hit_query(controller, case, "warm", tokens)
         result["hit_tokens"] = hit
+        result["pool_hit_pages"] = {
+            str(name): pages for name, pages in getattr(op, "query_pool_hit_pages", {}).items()
+        }
         if case.between_hit_and_get is not None:
             case.between_hit_and_get(rank, storage, hashes)
         dist.barrier()
@@ -347,40 +453,85 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             if ack.completed_req:
                 break
         result["loaded_tokens"] = completed
-        matches = []
-        untouched = []
-        for i in range(hit // ps):
-            got = _bytes(host.get_data_page(int(target[i * ps]), flat=True))
-            if i < completed // ps:
-                want = expected_page(case, shard, i, page_numel, host.dtype)
-                matches.append(bool(torch.equal(got, want)))
-            else:
-                untouched.append(bool((got == 0).all()))
-        result["pages_equal"] = matches
-        result["failed_pages_untouched"] = untouched
+        for name, pool in side.items():
+            matches = []
+            untouched = []
+            for i in range(hit // ps):
+                got = _bytes(pool.get_data_page(int(target[i * ps]), flat=True))
+                if i < completed // ps:
+                    matches.append(bool(torch.equal(got, page(name, i))))
+                else:
+                    untouched.append(bool((got == 0).all()))
+            prefix = "" if name == "kv" else f"{name}_"
+            result[f"{prefix}pages_equal"] = matches
+            result[f"{prefix}failed_pages_untouched"] = untouched
+        # the same prompt asked again, after the load (and any eviction)
+        result["hit_tokens_after"] = _hit_query(controller, case, "again", tokens)[1]
+        if pools.indexer is not None:
+            # SGLang registers dynamic side pools after start-up; the layout is fixed by then
+            result["late_registration"] = _late_registration(storage, pools.indexer)
         connector = getattr(storage, "connector", None)
         result["kvconn"] = connector.stats.snapshot() if connector is not None else None
         if connector is not None:
-            result["first_page_key"] = _first_page_key(connector, hashes[0])
+            result["first_page_keys"] = _first_page_keys(connector, hashes[0])
     finally:
         controller.detach_storage_backend()
     result["seconds"] = round(time.monotonic() - started, 2)
     return result
 
 
-def _first_page_key(connector: Any, page_hash: str) -> str:
-    """The store key of this rank's page of the first block."""
+def _late_registration(storage: Any, pool: Any) -> str:
+    """What registering ``pool`` as the indexer again, after start-up, raises."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    try:
+        storage.register_mem_host_pool_v2(pool, PoolName.INDEXER)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _buffer(pool: Any) -> Any:
+    """A host pool's one tensor (the KV buffer, or the indexer's keys and scales)."""
+    buffer = getattr(pool, "index_k_with_scale_buffer", None)
+    return pool.kv_buffer if buffer is None else buffer
+
+
+def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
+    """The side-pool transfers SGLang's radix cache hands a hybrid controller with a
+    backup or a prefetch (``UnifiedRadixCache._build_sidecar_transfers``): for DSA, the
+    indexer pool, moved with the KV pool's host indices and keys."""
+    if case.model != "dsa":
+        return {}
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    indexer = PoolTransfer(
+        name=PoolName.INDEXER,
+        keys=keys,
+        hit_policy=PoolHitPolicy.ALL_PAGES,
+        indices_from_pool=PoolName.KV,
+    )
+    return {"extra_pools": [indexer]}
+
+
+def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
+    """The store keys of this rank's pages of the first block, one per layer group."""
     from kvconn.hashing import adopt_hashes
     from kvconn.plan import share_key
     from kvconn_sglang.storage import HASH_SCHEME
 
     (digest,) = adopt_hashes(HASH_SCHEME, [page_hash])
-    return str(share_key(connector.prefix, connector.shares[0], digest))
+    return [str(share_key(connector.prefix, share, digest)) for share in connector.shares]
 
 
-def _hit_query(controller: Any, rid: str, tokens: list[int]) -> tuple[Any, int]:
+def _hit_query(controller: Any, case: Case, rid: str, tokens: list[int]) -> tuple[Any, int]:
     """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
-    op = controller.prefetch(rid, tokens)
+    if case.model == "dsa":  # the hybrid controller takes a request handle
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        op = controller.prefetch(CacheRequestHandle(rid, 0), tokens, **_sidecars(case))
+    else:
+        op = controller.prefetch(rid, tokens)
     done = _wait(controller.prefetch_hit_queue, "hit query")
     assert done is op
     return op, int(op.storage_hit_count)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
 
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.plan import plan_pages
+from kvconn.registry import load_backend
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
 from kvconn_sglang.settings import AdapterSettings
 from kvconn_sglang.storage import KvconnHiCacheStorage, _every_rank_saves, _shape_of
@@ -47,10 +53,20 @@ def test_the_kvconn_entry_must_be_a_table():
         AdapterSettings.from_extra_config({"interface_v1": 1, "kvconn": "redis"}, "m", environ={})
 
 
-def test_the_model_defaults_to_the_name_sglang_serves_under():
-    settings = AdapterSettings.from_extra_config(V1, "org/model", environ={})
-    assert settings.connector.model == "org/model"
+def test_the_model_defaults_to_the_weights_sglang_loads_as_in_every_adapter():
+    """``<model path>@<revision>[+<quantization>]`` (kvconn.engine_settings), not the
+    name SGLang serves under, which may be an alias two models share."""
+    from types import SimpleNamespace
+
+    from kvconn_sglang.settings import engine_model
+
+    args = SimpleNamespace(model_path="org/model", revision="r1", quantization="fp8")
+    settings = AdapterSettings.from_extra_config(V1, engine_model(args, "alias"), environ={})
+    assert settings.connector.model == "org/model@r1+fp8"
     assert settings.connector.backend == "lmdb"
+    # without published server arguments the served name is all there is
+    unpublished = AdapterSettings.from_extra_config(V1, "org/model", environ={})
+    assert unpublished.connector.model == "org/model@default"
 
 
 def test_kvconn_environment_variables_override_the_extra_config():
@@ -127,12 +143,18 @@ def test_host_indices_that_are_not_whole_pages_are_refused():
     [
         ({"pp_size": 2, "pp_rank": 1}, "pipeline"),
         ({"attn_cp_size": 2}, "context parallelism"),
-        ({"should_split_heads": True}, "tp_lcm_size"),
     ],
 )
 def test_parallel_shapes_the_adapter_would_key_wrongly_are_refused_at_start(fields, what):
     with pytest.raises(ConfigError, match=what):
         KvconnHiCacheStorage(storage_config(**fields))
+
+
+def test_head_splitting_across_tp_sizes_is_refused_naming_the_setting_that_will_serve_it():
+    # SGLang sets should_split_heads for MHA page_head pools with tp_lcm_size > tp_size
+    config = storage_config(tp_size=4, tp_lcm_size=8, should_split_heads=True)
+    with pytest.raises(ConfigError, match=r"tp_lcm_size=8 at TP=4.*shard_heads"):
+        KvconnHiCacheStorage(config)
 
 
 def test_sglang_saves_mla_from_rank_0_only_and_mha_from_every_rank():
@@ -163,8 +185,168 @@ def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
         _shape_of({})
 
 
-def test_a_side_pool_needing_the_v2_calls_is_refused_at_attach():
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("mamba", "recurrent state"),
+        ("swa", "sliding-window"),
+        ("deepseek_v4_c4", "DeepSeek-V4"),
+        ("draft", "draft pools"),
+        # MiniMax-M3's or QSA's indexer is not DeepSeek-V3.2's DSAIndexerPoolHost
+        ("indexer", "DSAIndexerPoolHost"),
+    ],
+)
+def test_side_pools_kvconn_does_not_store_per_page_are_refused_by_name(name, why):
     storage = KvconnHiCacheStorage(storage_config())
     storage.register_mem_host_pool_v2(object(), "kv")  # hybrid controllers register KV too
-    with pytest.raises(ConfigError, match="'indexer' pool"):
-        storage.register_mem_host_pool_v2(object(), "indexer")
+    with pytest.raises(ConfigError, match=rf"'{name}' pool \(object\): .*{why}"):
+        storage.register_mem_host_pool_v2(object(), PoolName(name))
+
+
+def mla_dsa_shapes(layout="page_first", pages=8, ps=4, layers=2, dim=24, row=132):
+    """An MLA host pool and DeepSeek-V3.2's indexer host pool in SGLang's buffer shapes
+    (the indexer with two spare pages, as DSAIndexerPoolHost allocates)."""
+    size = pages * ps
+    if layout == "layer_first":
+        kv = torch.zeros(layers, size, 1, dim, dtype=torch.bfloat16)
+        index = torch.zeros(layers, pages + 2, ps * row, dtype=torch.uint8)
+    else:
+        kv = torch.zeros(size, layers, 1, dim, dtype=torch.bfloat16)
+        index = torch.zeros(pages + 2, layers, 1, ps * row, dtype=torch.uint8)
+    return (
+        HostPoolShape("mla", layout, ps, layers, size, kv),
+        HostPoolShape("indexer", layout, ps, layers, size, index, name="indexer"),
+    )
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_the_dsa_indexer_is_a_replicated_layer_group_over_its_own_pool(layout):
+    kv, index = mla_dsa_shapes(layout)
+    described = describe_host_pool(kv, 8, 1, [index])
+    plans = plan_pages(described)
+    # one page per pool and block, identical on every rank: stored once at any TP
+    assert [(p.group, p.shard_class.label, p.page_size) for p in plans] == [
+        (0, "replicated", 2 * 4 * 24 * 2),
+        (1, "replicated", 2 * 4 * 132),
+    ]
+    assert [r.role for r in plans[1].regions] == ["index_k"] * len(plans[1].regions)
+    assert {r.pool for r in plans[1].regions} == {1}
+    assert described.group(1).num_slots == described.group(0).num_slots == 8
+
+
+def test_a_side_pool_that_does_not_follow_the_kv_pools_pages_is_refused():
+    kv, index = mla_dsa_shapes()
+    odd = HostPoolShape("indexer", "page_first", 8, 2, 32, index.kv_buffer, name="indexer")
+    with pytest.raises(LayoutError, match="must follow the KV pool's slots"):
+        describe_host_pool(kv, 2, 1, [odd])
+
+
+@pytest.fixture
+def dsa_storage(tmp_path):
+    """One rank's storage over an MLA pool and the DSA indexer pool, on LMDB."""
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1, is_mla_model=True))
+    kv, index = mla_dsa_shapes()
+    kv.kv_buffer.normal_()
+    index.kv_buffer.random_(0, 256)
+    storage.attach(kv, side_pools=[index], backend=load_backend("lmdb", {"path": str(tmp_path)}))
+    yield storage, kv.kv_buffer, index.kv_buffer
+    storage.close()
+
+
+def indexer(keys, host_indices, policy=PoolHitPolicy.ALL_PAGES):
+    return PoolTransfer(
+        name=PoolName.INDEXER, keys=keys, host_indices=host_indices, hit_policy=policy
+    )
+
+
+KEYS = [f"{i:064x}" for i in range(1, 4)]
+
+
+def test_each_v2_call_moves_only_the_pool_it_names_and_the_hit_needs_every_pool(dsa_storage):
+    storage, kv, index = dsa_storage
+    first, second = torch.arange(0, 12), torch.arange(12, 24)  # pages 0-2, pages 3-5
+    assert storage.batch_set_v2([indexer(KEYS, first)]) == {"indexer": [True] * 3}
+    # the indexer pages alone are no hit: a block needs its latent page too
+    assert storage.batch_exists(KEYS) == 0
+    assert storage.batch_exists_v2(KEYS, [indexer(None, None)]).kv_hit_pages == 0
+    assert storage.batch_set_v1(KEYS, first) == [True] * 3
+    hit = storage.batch_exists_v2(KEYS, [indexer(None, None)])
+    assert hit.kv_hit_pages == 3
+    assert hit.extra_pool_hit_pages == {"kv": 3, "indexer": 3}
+    assert hit.restorable_prefix_pages == [1, 2, 3]
+    kv_before, index_before = kv[:12].clone(), index[:3].clone()
+    kv.zero_()
+    index.zero_()
+    # v1 loads the latent, and only the latent
+    assert storage.batch_get_v1(KEYS, second) == [True] * 3
+    assert torch.equal(kv[12:24], kv_before)
+    assert int(torch.count_nonzero(index)) == 0
+    # v2 loads the indexer into the same pages
+    assert storage.batch_get_v2([indexer(KEYS, second)]) == {"indexer": [True] * 3}
+    assert torch.equal(index[3:6], index_before)
+
+
+def test_v2_calls_for_a_pool_not_registered_or_a_trailing_policy_are_refused(dsa_storage):
+    storage = dsa_storage[0]
+    mamba = PoolTransfer(name=PoolName.MAMBA, keys=KEYS, host_indices=torch.arange(12))
+    with pytest.raises(ConfigError, match="'mamba' pool, which is not registered"):
+        storage.batch_get_v2([mamba])
+    with pytest.raises(ConfigError, match="trailing_pages"):
+        storage.batch_exists_v2(KEYS, [indexer(None, None, PoolHitPolicy.TRAILING_PAGES)])
+
+
+def test_sglangs_empty_v2_calls_move_nothing(dsa_storage):
+    storage = dsa_storage[0]
+    # after every KV prefetch SGLang asks for its non-KV side pools, here none
+    assert storage.batch_get_v2([]) == {}
+    empty = torch.empty(0, dtype=torch.long)
+    assert storage.batch_set_v2([indexer([], empty)]) == {"indexer": []}
+
+
+def test_the_adapter_leaves_no_finished_transfers_behind_in_the_service(dsa_storage):
+    """The service keeps each finished transfer until an engine polls ``finished()``;
+    SGLang never polls, so the adapter drains it after each call (unbounded otherwise)."""
+    storage = dsa_storage[0]
+    for _ in range(20):
+        storage.batch_set_v1(KEYS, torch.arange(0, 12))
+        storage.batch_get_v1(KEYS, torch.arange(12, 24))
+        storage.batch_get_v2([indexer(KEYS, torch.arange(12, 24))])
+    assert storage.transfers is not None
+    # at most the last call's transfer, if it was recorded after its caller woke
+    assert len(storage.transfers.finished()) <= 1
+
+
+def test_a_large_batch_set_does_not_delay_batch_exists_on_a_thread_safe_backend():
+    """SGLang's backup thread stores while its prefetch thread asks: nothing serializes
+    them when the backend is safe to share (the store's put is held until the end)."""
+    import threading
+
+    from kvconn.hashing import adopt_hashes
+    from tests.fakes import GatedBackend
+
+    store = GatedBackend()  # declares thread_safe
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1))
+    shape = mha_shape("page_first", pages=64)
+    shape.kv_buffer.normal_()
+    storage.attach(shape, backend=store)
+    try:
+        stored = ["ab" * 32]
+        storage.batch_set_v1(stored, torch.arange(0, 4))
+        assert storage.batch_exists(stored) == 1
+        big = [f"{i:064x}" for i in range(1, 60)]
+        store.hold("put")
+        backup = threading.Thread(
+            target=storage.batch_set_v1, args=(big, torch.arange(4, 4 + 4 * len(big)))
+        )
+        backup.start()
+        assert store.wait_entered("put")
+        assert storage.batch_exists(stored) == 1  # answered while the put is held
+        assert storage.batch_exists(big[:1]) == 0
+        store.release("put")
+        backup.join(10)
+        assert storage.batch_exists(big) == len(big)
+        assert storage.connector is not None
+        assert storage.connector.lookup(adopt_hashes("sglang:sha256", big)).blocks == len(big)
+    finally:
+        store.release("put")
+        storage.close()

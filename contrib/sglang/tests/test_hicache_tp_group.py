@@ -20,6 +20,8 @@ from kvconn.integrity import PageChecksum
 from kvconn.registry import load_backend
 
 PAGES = 6
+#: SGLang's DSA pool takes 64-token pages only.
+DSA_PAGE = 64
 
 
 def extra_config(store: Path, **more: Any) -> dict[str, Any]:
@@ -49,6 +51,15 @@ def _cases(root: Path) -> dict[str, Case]:
             case("mla-page-first", model="mla", layout="page_first"),
             # after the hit query, the page of block 3 that only rank 1 loads disappears
             case("evicted-after-lookup", between_hit_and_get=EvictPage(3, f"w{WORLD}r1")),
+            case("dsa-layer-first", model="dsa", page_size=DSA_PAGE),
+            case("dsa-page-first", model="dsa", layout="page_first", page_size=DSA_PAGE),
+            # after the hit query, block 3's indexer page (layer group 1) disappears
+            case(
+                "dsa-indexer-evicted",
+                model="dsa",
+                page_size=DSA_PAGE,
+                between_hit_and_get=EvictPage(3, "replicated", group=1),
+            ),
         )
     }
 
@@ -67,12 +78,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
 
 def stored_pages(runs: dict[str, Any], name: str) -> Counter[str]:
     """Pages in the case's store by shard component (manifests left out)."""
+    return Counter(component for component, _ in stored_pages_by_group(runs, name).elements())
+
+
+def stored_pages_by_group(runs: dict[str, Any], name: str) -> Counter[tuple[str, str]]:
+    """Pages in the case's store by shard component and layer group (``lg0``: KV)."""
     backend = load_backend("lmdb", {"path": str(runs["_root"] / name)})
     try:
-        components = [key.split("/")[2] for key, _ in backend.list_keys("")]
+        parts = [key.split("/") for key, _ in backend.list_keys("")]
     finally:
         backend.close()
-    return Counter(c for c in components if c != "_layout")
+    return Counter((p[2], p[3]) for p in parts if p[2] != "_layout")
 
 
 def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
@@ -148,6 +164,8 @@ def test_a_page_evicted_between_exists_and_get_is_a_failed_load_on_every_rank(ru
     # rank 1 read the missing page: it reports block 3 and after as failed, unwritten
     assert rank1["kvconn"]["total"]["failed"]["pages"] == PAGES - 3
     assert rank1["failed_pages_untouched"] == [True] * (PAGES - 3)
+    for r in (rank0, rank1):  # asked again, the lookup now stops where the page is gone
+        assert r["hit_tokens_after"] == 3 * 4
 
 
 @pytest.mark.parametrize("name", ["mha-layer-first", "mha-page-first", "mla-layer-first"])
@@ -162,8 +180,82 @@ def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
         numel = int(torch.tensor(shape).prod())
         want = expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype)
         # a stored value is the page, then its checksum trailer (kvconn.integrity)
-        key = r["first_page_key"]
+        key = r["first_page_keys"][0]
         value = stored_value(runs, name, key)
         checksum = PageChecksum()
         assert value[: -checksum.size] == bytes(want.numpy())
         assert checksum.verify([memoryview(value)], [key]) == [True]
+
+
+# ------------------------------------------------ DeepSeek-V3.2: MLA + indexer, v2 calls
+DSA_LOADED = ["dsa-layer-first", "dsa-page-first"]
+
+
+@pytest.mark.parametrize("name", DSA_LOADED)
+def test_deepseek_v32_latent_and_indexer_load_byte_for_byte_on_both_ranks(runs, name):
+    for r in runs[name]:
+        assert r["storage_class"] == "KvconnHiCacheStorage"
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == PAGES * DSA_PAGE
+        # batch_exists_v2 reports both pools at the one hit, agreed by SGLang's MIN
+        assert r["pool_hit_pages"] == {"kv": PAGES, "indexer": PAGES}
+        assert r["loaded_tokens"] == PAGES * DSA_PAGE
+        assert r["pages_equal"] == [True] * PAGES, f"rank {r['rank']} latent"
+        assert r["indexer_pages_equal"] == [True] * PAGES, f"rank {r['rank']} indexer"
+
+
+@pytest.mark.parametrize("name", DSA_LOADED)
+def test_deepseek_v32_stores_one_latent_and_one_indexer_page_per_block_for_the_group(runs, name):
+    # one page per pool and block for the whole group (rank 0 alone saves MLA models)
+    assert stored_pages_by_group(runs, name) == {
+        ("replicated", "lg0"): PAGES,
+        ("replicated", "lg1"): PAGES,
+    }
+    rank0, rank1 = runs[name]
+    assert rank1["backup_completed_tokens"] == 0
+    assert written(rank1) == 0
+    by_role = rank0["kvconn"]["by_role"]["written"]
+    assert {role: n["pages"] for role, n in by_role.items()} == {
+        "latent": PAGES,
+        "index_k": PAGES,
+    }
+
+
+@pytest.mark.parametrize("name", DSA_LOADED)
+def test_a_stored_indexer_page_is_sglangs_own_flat_indexer_page(runs, name):
+    for r in runs[name]:
+        case = Case(**r["case"])
+        # DSAIndexerPoolHost.get_data_page(flat=True): every layer's packed row of
+        # 64 tokens x (128 fp8 keys + one 4-byte scale)
+        numel = case.layers * DSA_PAGE * 132
+        want = expected_page(case, 0, 0, numel, torch.uint8, "indexer")
+        key = r["first_page_keys"][1]
+        assert "/replicated/lg1/" in key
+        value = stored_value(runs, name, key)
+        checksum = PageChecksum()
+        assert value[: -checksum.size] == bytes(want.numpy())
+
+
+def test_an_indexer_page_evicted_after_the_hit_query_fails_that_block_and_later_on_both_ranks(
+    runs,
+):
+    """Both ranks read the one indexer page of a block: each fails block 3 of the
+    indexer's batch_get_v2, SGLang clamps the load to the pools' shorter prefix and its
+    MIN over ranks agrees; the latent loaded by batch_get_v1 cannot make up for it."""
+    for r in runs["dsa-indexer-evicted"]:
+        assert r["hit_tokens"] == PAGES * DSA_PAGE  # the lookup saw every page
+        assert r["loaded_tokens"] == 3 * DSA_PAGE
+        assert r["indexer_pages_equal"] == [True] * 3
+        assert r["pages_equal"] == [True] * 3
+        # the indexer slots of the failed blocks are left as they were
+        assert r["indexer_failed_pages_untouched"] == [True] * (PAGES - 3)
+        # and the next lookup, over both pools, stops at the missing indexer page
+        assert r["hit_tokens_after"] == 3 * DSA_PAGE
+
+
+def test_a_side_pool_registered_after_start_up_is_refused(runs):
+    # SGLang's dynamic sidecars arrive after on_host_pools_registered; the store's
+    # layout, hence every key, was fixed then
+    for r in runs["dsa-layer-first"]:
+        assert r["late_registration"].startswith("ConfigError")
+        assert "'indexer' pool was registered after" in r["late_registration"]

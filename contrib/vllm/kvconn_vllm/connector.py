@@ -1,16 +1,31 @@
-"""kvconn as a vLLM v1 KV connector (``KVConnectorBase_V1``).
+"""kvconn as a vLLM v1 KV connector (``KVConnectorBase_V1``), off the critical path.
 
-Scheduler side (no KV tensors): ``get_num_new_matched_tokens`` answers from one kvconn
-``lookup`` of the request's block hashes past vLLM's own hit; the layout it needs for
-keys arrives from the workers at start-up as a dict (vLLM's handshake metadata), so the
-scheduler never touches a tensor. Each step's metadata tells every worker which blocks
-to load (a hit just allocated) and which to save (blocks that this step fills).
+Scheduler side (no KV tensors, no torch for keys): ``get_num_new_matched_tokens``
+answers from a torch-free kvconn ``Lookup`` of the request's block hashes past vLLM's
+own hit, within ``lookup_wait_s``: a store slower than that gets "ask again later"
+(``None``), and an answer still missing after ``lookup_timeout_s`` is a miss, so the
+scheduler never waits on a store. The layout it needs for keys arrives from the workers
+at start-up as a dict (vLLM's handshake metadata). A hit is an asynchronous load
+(``load_kv_async=True``): vLLM allocates the blocks and parks the request until the
+workers report it through ``get_finished``. Each step's metadata tells every worker which
+blocks to load and which to save (blocks that this step fills).
 
 Worker side: ``register_kv_caches`` describes the rank's per-layer tensors as a kvconn
-layout; ``start_load_kv`` loads before the forward pass and ``wait_for_save`` saves
-after it, synchronously, both through kvconn's ``Connector``. Blocks that did not load
-are reported by ``get_block_ids_with_load_errors``, so vLLM recomputes them (with
-``kv_load_failure_policy="recompute"``).
+layout and starts kvconn's transfer service (:mod:`kvconn.transfer`), the one every
+engine adapter uses. ``start_load_kv`` submits the step's loads and returns;
+``wait_for_save`` hands the step's filled blocks over: their pages are captured into
+staging then (on a GPU, queued on a side stream after the forward, and
+``handle_preemptions`` orders the next step after it), and the service stores them in
+the background with one ``exists`` and one ``put`` for the step. ``get_finished`` reports
+loads done, and finished requests whose saves no longer need their blocks (captured):
+``request_finished`` keeps a finished request's blocks until then. Blocks that did not
+load are reported by ``get_block_ids_with_load_errors`` (one KV-cache group) or the
+request as a failed receive (several groups, which vLLM 0.32 takes only per request), so
+vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+
+Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on, and each of
+its KV-cache groups (full attention, sliding window) is a kvconn layer group; a sliding
+group's null blocks outside its window are kvconn's ``NO_SLOT``.
 
 Block hashes are vLLM's own (``request.block_hashes``), adopted under the scheme
 ``vllm:<prefix_caching_hash_algo>``; they reach workers inside the metadata because
@@ -30,14 +45,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError
 from kvconn.hashing import adopt_hashes
-from kvconn.layout import KvLayout
+from kvconn.layout import NO_SLOT, KvLayout
+from kvconn.lookup import DeadlineLookup, Lookup
+from kvconn.results import LoadResult
+from kvconn.transfer import SaveRequest, TransferService
+from kvconn.transfer import Transfer as Handle
+from kvconn_vllm.blocks import BlockTable
 from kvconn_vllm.layout import kv_layout
+from kvconn_vllm.specs import cache_groups, dtype_tag
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,11 +80,12 @@ __all__ = ["KvconnConnector", "KvconnMetadata", "LayoutHandshake", "Transfer"]
 
 @dataclass
 class Transfer:
-    """Blocks of one request to load or save: kvconn digests and vLLM block ids."""
+    """Blocks of one request to load or save: kvconn digests and, per KV-cache group,
+    vLLM block ids (``NO_SLOT`` for a null block: nothing of that group moves)."""
 
     req_id: str
     hashes: list[bytes]
-    block_ids: list[int]
+    slots: dict[int, list[int]]
 
 
 @dataclass
@@ -81,32 +106,59 @@ class _Tracked:
     """A running request, as the scheduler side follows it."""
 
     request: Request
-    block_ids: list[int]
+    blocks: BlockTable
     saved: int  # leading blocks known to be stored (hit, or saved by an earlier step)
+    computed: int = 0  # leading blocks vLLM had itself when kvconn was first asked
+    saves_sent: bool = False  # some of its blocks were handed over for saving
 
 
 def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
-    """kvconn's configuration: ``kv_connector_extra_config``, model defaulted from vLLM.
+    """kvconn's configuration as every adapter reads it (:mod:`kvconn.engine_settings`):
+    ``kv_connector_extra_config``, overlaid by ``$KVCONN_CONFIG`` and ``KVCONN_*``
+    variables, ``model`` defaulting to the weights vLLM loads (model, revision and
+    weight quantization, which changes the KV values)."""
+    from kvconn.engine_settings import EngineModel, adapter_config
 
-    The model names the weights: vLLM's model and revision, plus its weight
-    quantization, which changes the KV values.
+    model = vllm_config.model_config
+    return adapter_config(
+        vllm_config.kv_transfer_config.kv_connector_extra_config,
+        engine_model=EngineModel.of(model.model, model.revision, model.quantization),
+        where="kv_connector_extra_config",
+    )
+
+
+def _tp_group(config: ConnectorConfig) -> Any:
+    """A gloo group of this worker's TP ranks, or ``None`` when kvconn has no use for one.
+
+    Over it kvconn compares the bytes of pages several ranks hold, at the first save and
+    then 1 save in ``verify_replicas_every`` (:mod:`kvconn.replica_check`), and with
+    ``stripe_reads`` reads each such page once per group (:mod:`kvconn.striped_load`).
+    kvconn's own group, not vLLM's: its collectives run on a transfer thread and must
+    not interleave with vLLM's. gloo on every device: it moves verified host staging
+    rows (the tested path). Collective: every rank of the world creates every TP group's,
+    in the same order.
     """
-    transfer = vllm_config.kv_transfer_config
-    extra = dict(transfer.kv_connector_extra_config or {})
-    if "model" not in extra:
-        model = vllm_config.model_config
-        name = f"{model.model}@{model.revision or 'default'}"
-        if model.quantization:
-            name += f"+{model.quantization}"
-        extra["model"] = name
-    return ConnectorConfig.from_dict(extra)
+    if not config.stripe_reads and config.verify_replicas_every == 0:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return None
+    mine = None
+    for ranks in tp.group_ranks:
+        group = dist.new_group(ranks, backend="gloo")
+        if tp.rank in ranks:
+            mine = group
+    return mine
 
 
 def hash_scheme(vllm_config: VllmConfig) -> str:
     return f"vllm:{vllm_config.cache_config.prefix_caching_hash_algo}"
 
 
-class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Select with ``KVTransferConfig(kv_connector="KvconnConnector",
     kv_connector_module_path="kvconn_vllm", kv_connector_extra_config={kvconn config})``.
     """
@@ -115,15 +167,15 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ConfigError(
-                f"kvconn's vLLM adapter supports models with one KV cache group; this one "
-                f"has {len(groups)} (hybrid or sliding-window attention)"
-            )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("kvconn's vLLM adapter does not support pipeline parallelism yet")
+        # What kvconn stores, from vLLM's spec objects; refuses what it cannot (Mamba…)
+        self._groups = cache_groups(vllm_config, kv_cache_config)
+        self._group_ids = [g.index for g in self._groups]
+        # vLLM takes load failures of a model with several groups only per request
+        # (failed_recving), of one group per block (invalid_block_ids)
+        self._per_request_failures = len(self._groups) > 1
         self._config = connector_config(vllm_config)
         self._scheme = hash_scheme(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -131,15 +183,20 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self._loads_hits = bool(transfer.is_kv_consumer)  # kv_consumer / kv_both
         self._saves_blocks = bool(transfer.is_kv_producer)  # kv_producer / kv_both
-        self._conn: Connector | None = None
         # scheduler side
+        self._asker: DeadlineLookup | None = None
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (blocks vLLM had, kvconn hit)
         self._adopted: dict[str, list[bytes]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, Transfer] = {}
         self._warned_no_layout = False
         # worker side
-        self._failed: set[int] = set()
+        self._conn: Connector | None = None
+        self._service: TransferService | None = None
+        self._loading: dict[str, tuple[Handle, Transfer]] = {}  # submitted, by request
+        self._saving: dict[str, list[Handle]] = {}  # handed over, by request
+        self._finishing: set[str] = set()  # finished requests waiting on their captures
+        self._failed: set[int] = set()  # block ids whose load failed, to report
         self._layout: KvLayout | None = None
 
     # ============================================================== worker side
@@ -147,39 +204,52 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         vllm_config = self._vllm_config
-        layer = next(iter(kv_caches))
         layout, pools = kv_layout(
             kv_caches,
+            self._groups,
             num_blocks=self._kv_cache_config.num_blocks,
             block_size=self._block_size,
             tp_size=self._tp_size,
-            total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
-            dtype_tag=_dtype_tag(vllm_config, layer, kv_caches[layer]),
+            dtype_tags={name: dtype_tag(vllm_config, name, t) for name, t in kv_caches.items()},
+            shard_heads=self._config.shard_heads,
         )
         self._layout = layout
         self._conn = Connector(
-            self._config, layout, rank=get_tensor_model_parallel_rank(), pools=pools
+            self._config,
+            layout,
+            rank=get_tensor_model_parallel_rank(),
+            pools=pools,
+            group=_tp_group(self._config),
         )
+        self._service = TransferService(self._conn)
 
     def get_handshake_metadata(self) -> LayoutHandshake | None:
         return None if self._layout is None else LayoutHandshake(self._layout.to_dict())
 
+    def _transfers(self) -> TransferService:
+        assert self._service is not None, "register_kv_caches has not run"
+        return self._service
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a step that may overwrite freed blocks: order it after the captures.
+
+        Saves are captured when handed over, so a preempted request's blocks hold nothing
+        the store still needs; on a GPU the capture runs on a side stream, which the
+        step's stream now waits for (on the device, not the host). Runs every step.
+        """
+        self._transfers().order_reuse()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Submit this step's loads; they finish in the background (``get_finished``)."""
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvconnMetadata) and self._conn is not None
+        assert isinstance(meta, KvconnMetadata)
+        service = self._transfers()
         for load in meta.loads:
-            result = self._conn.load(load.hashes, load.block_ids)
-            if result.failed:
-                log.warning(
-                    "kvconn: %d of %d blocks of request %s did not load; vLLM recomputes them",
-                    len(result.failed),
-                    len(load.block_ids),
-                    load.req_id,
-                )
-                self._failed.update(load.block_ids[i] for i in result.failed)
+            handle = service.load(load.hashes, load.slots, tag=load.req_id)
+            self._loading[load.req_id] = (handle, load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads finish in ``start_load_kv``, before the forward pass starts."""
+        """Loads are asynchronous: a request runs only once its load is reported done."""
 
     def save_kv_layer(
         self,
@@ -188,25 +258,80 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Pages hold every layer of a block, so saving waits for the whole step."""
+        """Pages hold every layer of a block, so they are handed over after the step."""
 
     def wait_for_save(self) -> None:
+        """Hand the step's filled blocks over: captured now, stored in the background."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KvconnMetadata) and self._conn is not None
-        for save in meta.saves:
-            self._conn.save(save.hashes, save.block_ids)
+        assert isinstance(meta, KvconnMetadata)
+        if not meta.saves:
+            return
+        requests = [SaveRequest(s.hashes, s.slots, tag=s.req_id) for s in meta.saves]
+        for save, handle in zip(meta.saves, self._transfers().save_many(requests)):
+            self._saving.setdefault(save.req_id, []).append(handle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads done (a failed one also reported, with its blocks or as a failed
+        receive), and finished requests whose saves have all been captured."""
+        service = self._transfers()
+        service.finished()  # lets the service fail loads past load_timeout_s
+        recving: set[str] = set()
+        failed_reqs: set[str] = set()
+        for req_id, (handle, load) in list(self._loading.items()):
+            if not handle.done():
+                continue
+            del self._loading[req_id]
+            recving.add(req_id)
+            result = handle.result
+            if result.ok:
+                continue
+            failed = result.failed if isinstance(result, LoadResult) else ()
+            log.warning(
+                "kvconn: %d of %d blocks of request %s did not load; vLLM recomputes %s",
+                len(failed),
+                len(load.hashes),
+                req_id,
+                "the request" if self._per_request_failures else "them",
+            )
+            if self._per_request_failures:
+                failed_reqs.add(req_id)
+            else:
+                self._failed.update(
+                    slots[i] for slots in load.slots.values() for i in failed if slots[i] != NO_SLOT
+                )
+        self._finishing.update(r for r in finished_req_ids if r in self._saving)
+        sending = {r for r in self._finishing if all(h.captured() for h in self._saving.get(r, ()))}
+        for r in sending:
+            self._finishing.discard(r)
+            self._saving.pop(r, None)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed_reqs
+        )
+
     def shutdown(self) -> None:
+        if self._service is not None:
+            clean = self._service.close()
+            self._service = None
+            if not clean:  # a thread is inside a stalled backend call: leave the backend
+                self._conn = None
         if self._conn is not None:
             log.info("kvconn: %s", self._conn.stats.snapshot()["total"])
             self._conn.close()
             self._conn = None
+        if self._asker is not None:
+            self._asker.close()
+            self._asker.lookup.close()
+            self._asker = None
 
     # ============================================================ scheduler side
     def set_xfer_handshake_metadata(
@@ -222,44 +347,58 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         first = next(iter(layouts.values()))
         if any(layout != first for layout in layouts.values()):
             raise ConfigError("vLLM workers described different KV layouts to kvconn")
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = Connector(self._config, first)  # lookup only: no pools
+        if self._asker is not None:
+            self._asker.close()
+            self._asker.lookup.close()
+        self._asker = DeadlineLookup(Lookup(self._config, first))  # torch-free
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """The hit past vLLM's own, loaded asynchronously; ``None``: ask again later."""
         hashes = self._hashes(request)
         done = num_computed_tokens // self._block_size
         # vLLM must compute at least one token of the prompt itself.
         usable = min(len(hashes), (request.num_tokens - 1) // self._block_size)
         hit = 0
         if usable > done and self._loads_hits:
-            if self._conn is None:
-                if not self._warned_no_layout:
-                    log.warning("kvconn: no layout from the workers yet; serving without it")
-                    self._warned_no_layout = True
-                return 0, False
-            hit = min(self._conn.lookup(hashes[done:usable]).blocks, usable - done)
+            if self._asker is not None:
+                answer = self._asker.ask(request.request_id, hashes[done:usable])
+                if answer is None:
+                    return None, False  # the store has not answered within lookup_wait_s
+                hit = min(answer.blocks, usable - done)
+            elif not self._warned_no_layout:
+                log.warning("kvconn: no layout from the workers yet; serving without it")
+                self._warned_no_layout = True
         self._hits[request.request_id] = (done, hit)
-        return hit * self._block_size, False
+        return hit * self._block_size, hit > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
+        if req_id not in self._hits and req_id in self._tracked:
+            return  # vLLM's second call, once a deferred load is done: nothing new
         done, hit = self._hits.pop(req_id, (0, 0))
-        block_ids = list(blocks.get_block_ids()[0])
+        # The blocks vLLM allocated: a load goes into them, and a load that fails is
+        # found by them (update_connector_output) before the request is scheduled.
+        table = self._block_table()
+        table.replace(blocks.get_block_ids())
         if num_external_tokens > 0:
             count = num_external_tokens // self._block_size
             self._loads[req_id] = Transfer(
                 req_id,
                 self._hashes(request)[done : done + count],
-                block_ids[done : done + count],
+                table.slots(done, done + count),
             )
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
-        self._tracked[req_id] = _Tracked(request, [], done + hit)
+        before = self._tracked.get(req_id)  # a preempted request, resumed
+        tracked = _Tracked(request, table, done + hit, done)
+        # Saves handed over before the preemption still make request_finished hold its
+        # blocks: the workers report it only then, and both sides must agree.
+        tracked.saves_sent = before is not None and before.saves_sent
+        self._tracked[req_id] = tracked
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvconnMetadata:
         meta = KvconnMetadata(loads=list(self._loads.values()))
@@ -268,7 +407,7 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.blocks.replace(new.block_ids)
                 computed[new.req_id] = new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -277,9 +416,9 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
-            elif new_ids is not None:
-                tracked.block_ids.extend(new_ids[0])
+                tracked.blocks.replace(new_ids)
+            else:
+                tracked.blocks.extend(new_ids)
             computed[req_id] = cached.num_computed_tokens[i]
         if not self._saves_blocks:
             return meta
@@ -287,36 +426,57 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked = self._tracked[req_id]
             after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             hashes = self._hashes(tracked.request)
-            full = min(after // self._block_size, len(hashes), len(tracked.block_ids))
+            full = min(after // self._block_size, len(hashes), len(tracked.blocks))
             if full > tracked.saved:
                 meta.saves.append(
                     Transfer(
                         req_id,
                         hashes[tracked.saved : full],
-                        tracked.block_ids[tracked.saved : full],
+                        tracked.blocks.slots(tracked.saved, full),
                     )
                 )
                 tracked.saved = full
+                tracked.saves_sent = True
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them once they are."""
+        for req_id in connector_output.failed_recving or ():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:  # vLLM recomputes the whole request
+                tracked.saved = min(tracked.saved, tracked.computed)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
         for tracked in self._tracked.values():
-            for i, block_id in enumerate(tracked.block_ids[: tracked.saved]):
-                if block_id in invalid:
-                    tracked.saved = i
-                    break
+            first = tracked.blocks.first_in(self._group_ids[0], invalid, tracked.saved)
+            if first is not None:
+                tracked.saved = first
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
+        """Keep the blocks (True) while saves handed over for the request may still read
+        them; the workers' ``get_finished`` releases it once its pages are captured."""
+        return self._forget(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of ``request_finished`` on an ``SupportsHMA`` connector."""
+        return self._forget(request.request_id), None
+
+    def _forget(self, req_id: str) -> bool:
+        """Drop a finished request; whether saves of it were handed over."""
+        tracked = self._tracked.get(req_id)
         for table in (self._hits, self._adopted, self._tracked, self._loads):
             table.pop(req_id, None)
-        return False, None  # saves are synchronous: vLLM may free the blocks now
+        if self._asker is not None:
+            self._asker.forget(req_id)
+        return tracked is not None and tracked.saves_sent
+
+    def _block_table(self) -> BlockTable:
+        return BlockTable(self._group_ids, NULL_BLOCK_ID)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -329,15 +489,3 @@ class KvconnConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if len(engine) > len(adopted):
             adopted.extend(adopt_hashes(self._scheme, engine[len(adopted) :]))
         return adopted
-
-
-def _dtype_tag(vllm_config: VllmConfig, layer: str, tensor: torch.Tensor) -> str:
-    """What an element is and who arranged the block: ``bfloat16+CPU_ATTN``."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    element = str(tensor.dtype).removeprefix("torch.")
-    if cache_dtype != "auto":
-        element = f"{element}:{cache_dtype}"
-    context = vllm_config.compilation_config.static_forward_context
-    backend = getattr(context.get(layer), "attn_backend", None)
-    name = backend.get_name() if backend is not None else "unknown"
-    return f"{element}+{name}"

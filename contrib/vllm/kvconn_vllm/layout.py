@@ -2,27 +2,53 @@
 
 vLLM hands a connector ``{layer name: tensor}``. Two tensor forms occur:
 
-* blocks first, ``[num_blocks, ...]`` (the CPU backend: ``[blocks, heads, block_size,
-  2 * head_size]``, each head's K rows then its V rows): one region per layer, role
-  ``kv``;
+* blocks first, ``[num_blocks, ...]`` (the CPU backends: ``[blocks, heads, block_size,
+  2 * head_size]``, each head's K rows then its V rows; MLA ``[blocks, 1, block_size,
+  576]``): one region per layer;
 * K/V first, ``[2, num_blocks, ...]`` (FlashAttention-style backends): two regions per
   layer, roles ``k`` and ``v``.
 
-Either way a block's bytes of one layer are contiguous, which is all a page needs. The
-role's ``units`` is the model's total KV head count, so heads that vLLM duplicates
-across TP ranks (fewer KV heads than ranks) are stored once, and with one KV head the
-whole cache is replicated. The arrangement of bytes inside a block differs between
-attention backends, so the role's dtype names the element type, the backend and the
-block's shape: two backends that lay a block out differently never share pages.
+Either way a block's bytes of one layer are contiguous, which is all a page needs.
 
-Layers whose tensor is the same memory as an earlier layer's (vLLM's KV sharing) add
-no region: their bytes are that layer's.
+What a layer's bytes are, and how they split across TP ranks, comes from vLLM's
+KV-cache spec objects (``kvconn_vllm.specs``, the only module here that reads vLLM),
+handed to this module as plain :class:`CacheGroup` data:
+
+* K/V by head (role ``kv``): ``units`` is the model's total KV head count, so heads
+  that vLLM duplicates across TP ranks (fewer KV heads than ranks) are stored once, and
+  with one KV head the whole cache is replicated;
+* an MLA latent (role ``latent``) and DeepSeek-V3.2's indexer keys (``index_k``) are
+  the same bytes on every rank: ``units`` 1, one ``replicated`` page per block.
+
+Each vLLM KV-cache group becomes a kvconn layer group with the same index, so vLLM's
+per-group block ids are the group's slots; a sliding-window group carries its window
+in blocks. vLLM's hybrid allocator lays every group over the same buffer (a block id
+belongs to one group at a time), so each group's regions refer to a pool index of its
+own, over that same memory: kvconn checks regions for overlap within a pool, which
+still catches a wrong description inside a group.
+
+The arrangement of bytes inside a block differs between attention backends, so a
+role's dtype names the element type, the backend and the block's shape: two backends
+that lay a block out differently never share pages. Layers whose tensor is the same
+memory as an earlier layer's of the same group (vLLM's KV sharing) add no region: their
+bytes are that layer's.
+
+Pages shared across TP sizes (kvconn's ``shard_heads``): vLLM 0.32 hands every
+attention layer's cache as its logical ``[blocks, heads, block_size, content]``
+(``[B, H, N, C]``), and the CPU backend lays it out in that order (``LBHNC``), so each
+head's bytes of a block are contiguous. A blocks-first ``kv`` region then carries its
+unit layout (one unit per local head, ``outer = 1``), which lets kvconn cut it into head
+shards; and with ``shard_heads`` set the dtype names the block shape with all the
+model's heads instead of this rank's, so every TP size names the pages alike. K/V-first
+tensors (an older form, whose head dimension is not placed the same way) carry none:
+pages cut finer than a rank's own heads are then refused with a clear error.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +56,29 @@ from kvconn.errors import LayoutError
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
 
 _NUMBER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """What one layer's cache holds, as kvconn keys it.
+
+    ``role``: ``kv`` (K and V by head; split into ``k`` and ``v`` for K/V-first
+    tensors), ``latent`` (MLA) or ``index_k`` (DeepSeek-V3.2's indexer). ``units``:
+    distinct slices across the TP group (total KV heads, or 1 for bytes every rank holds).
+    """
+
+    role: str
+    units: int
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One vLLM KV-cache group: its layers in vLLM's order, and its window in blocks
+    (sliding-window attention; ``None`` for full attention)."""
+
+    index: int
+    layers: tuple[tuple[str, LayerBytes], ...]
+    window: int | None = None
 
 
 def layer_index(name: str, position: int) -> int:
@@ -53,78 +102,115 @@ def storage_pool(tensor: torch.Tensor) -> torch.Tensor:
 
 def kv_layout(
     kv_caches: Mapping[str, torch.Tensor],
+    groups: Sequence[CacheGroup],
     *,
     num_blocks: int,
     block_size: int,
     tp_size: int,
-    total_kv_heads: int,
-    dtype_tag: str,
+    dtype_tags: Mapping[str, str],
+    shard_heads: int | None = None,
 ) -> tuple[KvLayout, list[torch.Tensor]]:
     """The layout of one rank's KV caches, and the pool tensors it refers to.
 
-    ``dtype_tag`` says what an element is and who arranged the block (e.g.
-    ``bfloat16+CPU_ATTN``); the block's shape is appended to it in each role's dtype.
+    ``dtype_tags`` says, per layer, what an element is and who arranged the block (e.g.
+    ``bfloat16+CPU_ATTN``); the block's shape is appended to it in each role's dtype:
+    this rank's, or with ``shard_heads`` (kvconn's setting) the model's, all its heads.
     """
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors")
+    if not groups:
+        raise LayoutError("vLLM's KV cache config has no group kvconn can store")
+    position = {name: i for i, name in enumerate(kv_caches)}
     pools: list[torch.Tensor] = []
-    pool_of: dict[int, int] = {}  # storage address -> pool index
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    regions: list[tuple[str, int, torch.Tensor, int]] = []  # role, layer, view, pool
-    block_shape: tuple[int, ...] | None = None
-    split_kv: bool | None = None
-    for position, (name, tensor) in enumerate(kv_caches.items()):
-        ident = (tensor.data_ptr(), tuple(tensor.shape))
-        if ident in seen:
-            continue  # KV sharing: this layer reads another layer's cache
-        seen.add(ident)
-        blocks_first, kv_first = _forms(tensor, num_blocks)
-        if blocks_first == kv_first:
-            raise LayoutError(
-                f"vLLM layer {name!r}: KV tensor of shape {tuple(tensor.shape)} is "
-                f"{'ambiguous' if blocks_first else 'neither'} [num_blocks={num_blocks}, ...] "
-                f"{'and' if blocks_first else 'nor'} [2, num_blocks, ...]"
+    pool_of: dict[tuple[int, int], int] = {}  # (group, storage address) -> pool index
+    roles: dict[str, tuple[int, str]] = {}  # role -> (units, dtype)
+    layer_groups: list[LayerGroup] = []
+    for group in groups:
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        regions: list[Region] = []
+        for name, what in group.layers:
+            tensor = kv_caches.get(name)
+            if tensor is None:
+                raise LayoutError(
+                    f"vLLM layer {name!r} of KV cache group {group.index} has no tensor"
+                )
+            ident = (tensor.data_ptr(), tuple(tensor.shape))
+            if ident in seen:
+                continue  # KV sharing: this layer reads another layer's cache
+            seen.add(ident)
+            views = _views(name, tensor, num_blocks, what.role)
+            by_head = _heads_dim(tensor, num_blocks, what, tp_size)
+            for role, view in views:
+                dims = list(view.shape[1:])
+                if by_head and shard_heads is not None:
+                    dims[0] = what.units  # every TP size names the block alike
+                shape = "x".join(str(d) for d in dims)
+                dtype = f"{dtype_tags[name]}+{shape}"
+                known = roles.setdefault(role, (what.units, dtype))
+                if known != (what.units, dtype):
+                    raise LayoutError(
+                        f"vLLM layer {name!r}: its {role!r} bytes are {dtype} in {what.units} "
+                        f"units, other layers' are {known[1]} in {known[0]}; layers of one "
+                        "role must share a geometry"
+                    )
+            address = tensor.untyped_storage().data_ptr()
+            if (group.index, address) not in pool_of:
+                pool_of[(group.index, address)] = len(pools)
+                pools.append(storage_pool(tensor))
+            pool = pool_of[(group.index, address)]
+            layer = layer_index(name, position[name])
+            unit_dim = 1 if by_head else None
+            regions.extend(
+                Region.from_tensor(role, layer, view, pools[pool], pool, unit_dim)
+                for role, view in views
             )
-        if split_kv is not None and split_kv != kv_first:
-            raise LayoutError(f"vLLM layer {name!r}: KV tensor form differs from other layers")
-        split_kv = kv_first
-        views = [("k", tensor[0]), ("v", tensor[1])] if kv_first else [("kv", tensor)]
-        shape = tuple(views[0][1].shape[1:])
-        if block_shape is not None and shape != block_shape:
-            raise LayoutError(
-                f"vLLM layer {name!r}: block shape {shape} differs from other layers' "
-                f"{block_shape}; layers of one group must share a geometry"
-            )
-        block_shape = shape
-        address = tensor.untyped_storage().data_ptr()
-        if address not in pool_of:
-            pool_of[address] = len(pools)
-            pools.append(storage_pool(tensor))
-        layer = layer_index(name, position)
-        for role, view in views:
-            regions.append((role, layer, view, pool_of[address]))
-    assert block_shape is not None and split_kv is not None
-    shape_tag = "x".join(str(d) for d in block_shape)
-    dtype = f"{dtype_tag}+{shape_tag}"
-    role_names = ("k", "v") if split_kv else ("kv",)
+        layer_groups.append(
+            LayerGroup(group.index, num_blocks, tuple(regions), _group_name(group), group.window)
+        )
     layout = KvLayout(
         tp_size=tp_size,
         tokens_per_block=block_size,
-        roles=tuple(Role(name, total_kv_heads, dtype) for name in role_names),
-        groups=(
-            LayerGroup(
-                0,
-                num_blocks,
-                tuple(
-                    Region.from_tensor(role, layer, view, pools[pool], pool)
-                    for role, layer, view, pool in regions
-                ),
-                "attention",
-            ),
-        ),
+        roles=tuple(Role(name, units, dtype) for name, (units, dtype) in roles.items()),
+        groups=tuple(layer_groups),
         pool_sizes=tuple(p.numel() for p in pools),
     )
     return layout, pools
+
+
+def _heads_dim(tensor: torch.Tensor, num_blocks: int, what: LayerBytes, tp_size: int) -> bool:
+    """Whether dim 1 of a blocks-first ``kv`` tensor holds this rank's KV heads.
+
+    vLLM 0.32's logical ``[B, H, N, C]``: a ``kv`` layer with as many entries there as
+    the rank holds heads. Anything else (K/V first, another role, another count) gets
+    no unit layout: its pages are still stored, only not cut finer than the rank's heads.
+    """
+    blocks_first, kv_first = _forms(tensor, num_blocks)
+    if what.role != "kv" or not blocks_first or kv_first or tensor.dim() < 3:
+        return False
+    local = what.units // min(tp_size, what.units)
+    return int(tensor.shape[1]) == local
+
+
+def _group_name(group: CacheGroup) -> str:
+    return "attention" if group.window is None else f"sliding{group.window}"
+
+
+def _views(
+    name: str, tensor: torch.Tensor, num_blocks: int, role: str
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensor's per-role views with blocks along dim 0."""
+    blocks_first, kv_first = _forms(tensor, num_blocks)
+    if blocks_first == kv_first:
+        raise LayoutError(
+            f"vLLM layer {name!r}: KV tensor of shape {tuple(tensor.shape)} is "
+            f"{'ambiguous' if blocks_first else 'neither'} [num_blocks={num_blocks}, ...] "
+            f"{'and' if blocks_first else 'nor'} [2, num_blocks, ...]"
+        )
+    if not kv_first:
+        return [(role, tensor)]
+    if role != "kv":
+        raise LayoutError(f"vLLM layer {name!r}: a {role!r} cache in K/V-first form")
+    return [("k", tensor[0]), ("v", tensor[1])]
 
 
 def _forms(tensor: torch.Tensor, num_blocks: int) -> tuple[bool, bool]:

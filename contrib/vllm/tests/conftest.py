@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from run_vllm import make_tiny_llama
+from run_vllm import MODELS
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Tiny random Llamas with 1 and 2 KV heads, made with transformers at test time.
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A tiny random model by name (``run_vllm.MODELS``), made with transformers the
+    first time a test asks for it.
 
-    Made in this process: one import of transformers for both, not a process each.
+    Made in this process: one import of transformers for all, not a process each.
     """
     root = tmp_path_factory.mktemp("models")
-    out = {}
-    for heads in (1, 2):
-        out[heads] = root / f"llama-{heads}kv"
-        make_tiny_llama(str(out[heads]), heads)
-    return out
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            MODELS[name](str(root / name))
+            made[name] = root / name
+        return made[name]
+
+    return get

@@ -20,6 +20,10 @@ def engine_env(tp: int) -> dict[str, str]:
     )
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    else:
+        # vLLM reserves one more core for a KV connector's engine; with one reserved
+        # everywhere, engines with and without a connector compute on the same threads
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     return env
 
 

@@ -3,9 +3,12 @@
 ``python run_vllm.py --model DIR --store DIR --tp N`` generates the same prompt twice
 (greedy, with logprobs) through one ``LLM`` whose own prefix cache is off, so every
 cached token of the second run came from kvconn, and prints the outputs as one JSON
-line. ``--drop-on-third`` runs it a third time after asking the test backend to delete
-a page between lookup and load. vLLM starts worker processes, hence the ``__main__``
-guard.
+line. ``--marker RUN:NAME[:TEXT]`` writes a file that arms the test backend
+(``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based), running the
+prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
+
+The tiny random models are made here too (``MODELS``), with the geometries vLLM's CPU
+backends accept: head_dim 64 for K/V attention, an MLA latent of 576 (512 + 64).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
-    """A random 2-layer Llama (head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
+def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) -> None:
+    """A random Llama (2 layers, head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -27,7 +32,7 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=kv_heads,
         head_dim=64,
@@ -37,6 +42,100 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0) -> None:
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+def make_tiny_deepseek_v2(path: str, seed: int = 0) -> None:
+    """A random 2-layer DeepSeek-V2 (MLA: a 576-element latent per token, 4 heads)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=100,
+        max_position_embeddings=1024,
+    )
+    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+#: Layers of the tiny Gemma-3 with a sliding window (the others attend to everything).
+GEMMA3_SLIDING_LAYERS = (0, 2)
+
+
+def make_tiny_gemma3(path: str, seed: int = 0) -> None:
+    """A random 4-layer Gemma-3: sliding-window (64 tokens) and full attention layers."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=1024,
+    )
+    Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+def make_tiny_qwen3_next(path: str, seed: int = 0) -> None:
+    """A random 2-layer Qwen3-Next: one linear-attention (Gated DeltaNet) layer, one full."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts_per_tok=2,
+        num_experts=4,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    Qwen3NextForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+#: Model name -> maker(path).
+MODELS: dict[str, Callable[[str], None]] = {
+    "llama-1kv": lambda path: make_tiny_llama(path, 1),
+    "llama-2kv": lambda path: make_tiny_llama(path, 2),
+    # one layer: its K/V are bit for bit the same at TP=1 and TP=2 (a second layer's
+    # input went through TP=2's all-reduce, summed in another order)
+    "llama-2kv-1layer": lambda path: make_tiny_llama(path, 2, layers=1),
+    "deepseek-v2": make_tiny_deepseek_v2,
+    "gemma3": make_tiny_gemma3,
+    "qwen3-next": make_tiny_qwen3_next,
+}
+
+
 def prompt_tokens(n: int, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(n)]
@@ -44,54 +143,137 @@ def prompt_tokens(n: int, seed: int = 1) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    Path(args.store).mkdir(parents=True, exist_ok=True)
     kvconn = {
-        "model": "tiny-llama-test",
+        "model": f"tiny-{Path(args.model).name}",
         "backend": "lmdb",
         "options": {"path": args.store, "map_size": 64 * 2**20},
     }
     if args.backend:
         kvconn["backend"] = args.backend
+    if args.stripe:
+        kvconn["stripe_reads"] = True
+    if args.shard_heads:
+        kvconn["shard_heads"] = args.shard_heads
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
         tensor_parallel_size=args.tp,
         dtype="float32",
-        block_size=32,
+        block_size=args.block_size or None,  # 0: vLLM's choice (CPU MLA forces 16)
+        # vLLM prefers its AMX MLA backend where the CPU has AMX, which needs bf16
+        # weights; the reference CPU_MLA backend runs float32 on any x86 CPU
+        attention_config={"backend": args.attention_backend} if args.attention_backend else None,
         max_model_len=512,
-        max_num_seqs=4,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_blocks or None,  # few blocks: reuse, preemption
         enable_prefix_caching=False,  # every cached token must come from kvconn
         enforce_eager=True,  # no torch.compile: start-up in seconds, not a minute
         disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvconnConnector",
-            kv_connector_module_path="kvconn_vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=kvconn,
-        ),
+        kv_transfer_config=transfer_config(args, kvconn),
     )
+    if args.workload == "concurrent":
+        return concurrent(llm, args)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, detokenize=False)
     prompt = TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens))
+    markers: dict[int, list[tuple[str, str]]] = {}
+    for spec in args.marker:
+        run_number, name, *text = spec.split(":", 2)
+        markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
-    for n in range(3 if args.drop_on_third else 2):
-        if n == 2:
-            Path(args.store, "drop-next-load").touch()  # read by kvconn_test_drop
+    for n in range(1, max([2, *markers]) + 1):
+        if n > 1 and args.connector == "kvconn":
+            settle(args.store)
+        for name, text in markers.get(n, []):
+            Path(args.store, name).write_text(text)  # read by kvconn_test_drop
+        started = time.monotonic()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        completion = out.outputs[0]
-        runs.append(
-            {
-                "token_ids": list(completion.token_ids),
-                "logprobs": [
-                    {str(t): lp.logprob for t, lp in sorted(step.items())}
-                    for step in completion.logprobs or []
-                ],
-                "num_cached_tokens": out.num_cached_tokens,
-            }
-        )
+        runs.append({**completion(out), "seconds": time.monotonic() - started})
+        Path(args.store, "stall").unlink(missing_ok=True)  # a stall lasts one run
     return {"runs": runs}
+
+
+def transfer_config(args: argparse.Namespace, kvconn: dict[str, Any]) -> Any:
+    """kvconn, vLLM's own reference connector (files per layer), or none."""
+    from vllm.config import KVTransferConfig
+
+    if args.connector == "none":
+        return None
+    if args.connector == "example":
+        return KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.store},
+        )
+    return KVTransferConfig(
+        kv_connector="KvconnConnector",
+        kv_connector_module_path="kvconn_vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=kvconn,
+    )
+
+
+def completion(out: Any) -> dict[str, Any]:
+    done = out.outputs[0]
+    return {
+        "token_ids": list(done.token_ids),
+        "logprobs": [
+            {str(t): lp.logprob for t, lp in sorted(step.items())} for step in done.logprobs or []
+        ],
+        "num_cached_tokens": out.num_cached_tokens,
+    }
+
+
+def concurrent(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``--requests`` prompts sharing a prefix, generated together (one batch, so vLLM
+    interleaves them, preempts them when ``--num-blocks`` is short, and hands the
+    blocks of finished ones to the others at once); then the saves are let land."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    shared = prompt_tokens(args.prompt_tokens)
+    prompts = [
+        TokensPrompt(prompt_token_ids=shared + prompt_tokens(args.own_tokens, seed=100 + i))
+        for i in range(args.requests)
+    ]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, logprobs=3, detokenize=False
+    )
+    started = time.monotonic()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.monotonic() - started
+    settle(args.store)
+    preemptions = sum(
+        int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+    )
+    return {
+        "requests": [completion(out) for out in outs],
+        "seconds": seconds,
+        "preemptions": preemptions,
+    }
+
+
+def settle(store: str, quiet_s: float = 0.5, limit_s: float = 30.0) -> None:
+    """Wait until the store stops growing: saves land in the background now, after the
+    request that made them has finished, and the next run should find them."""
+    from kvconn_lmdb import LmdbBackend
+
+    deadline = time.monotonic() + limit_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        backend = LmdbBackend(store)
+        try:
+            count = sum(1 for _ in backend.list_keys())
+        finally:
+            backend.close()
+        if count != last:
+            last, since = count, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -101,12 +283,19 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
-    parser.add_argument("--drop-on-third", action="store_true")
-    parser.add_argument("--make-model-kv-heads", type=int, default=None)
+    parser.add_argument("--shard-heads", type=int, default=0, help="kvconn's shard_heads")
+    parser.add_argument("--connector", choices=("kvconn", "example", "none"), default="kvconn")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--marker", action="append", default=[], metavar="RUN:NAME[:TEXT]")
+    parser.add_argument("--workload", choices=("repeat", "concurrent"), default="repeat")
+    parser.add_argument("--stripe", action="store_true", help="kvconn's stripe_reads")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--own-tokens", type=int, default=36)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--num-blocks", type=int, default=0)
     args = parser.parse_args()
-    if args.make_model_kv_heads is not None:
-        make_tiny_llama(args.model, args.make_model_kv_heads)
-        return
     print("RESULT " + json.dumps(run(args)), flush=True)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,9 @@ def vllm_config(model: Path, extra: dict[str, Any]) -> Any:
     )
 
 
-def test_the_extra_config_is_kvconns_configuration(models: dict[int, Path]) -> None:
+def test_the_extra_config_is_kvconns_configuration(tiny_model: Callable[[str], Path]) -> None:
     extra = {"model": "org/m@rev", "backend": "redis", "writer_policy": "first"}
-    config = connector_config(vllm_config(models[1], extra))
+    config = connector_config(vllm_config(tiny_model("llama-1kv"), extra))
     assert (config.model, config.backend, config.writer_policy) == (
         "org/m@rev",
         "redis",
@@ -36,15 +37,17 @@ def test_the_extra_config_is_kvconns_configuration(models: dict[int, Path]) -> N
     )
 
 
-def test_without_a_model_the_key_names_vllms_model_and_revision(models: dict[int, Path]) -> None:
-    config = connector_config(vllm_config(models[1], {"backend": "lmdb"}))
-    assert config.model == f"{models[1]}@default"
+def test_without_a_model_the_key_names_vllms_model_and_revision(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = connector_config(vllm_config(tiny_model("llama-1kv"), {"backend": "lmdb"}))
+    assert config.model == f"{tiny_model('llama-1kv')}@default"
 
 
-def test_an_unknown_key_fails_at_start_up_naming_it(models: dict[int, Path]) -> None:
+def test_an_unknown_key_fails_at_start_up_naming_it(tiny_model: Callable[[str], Path]) -> None:
     with pytest.raises(ConfigError, match=r"unknown configuration key\(s\): backnd"):
-        connector_config(vllm_config(models[1], {"backnd": "redis"}))
+        connector_config(vllm_config(tiny_model("llama-1kv"), {"backnd": "redis"}))
 
 
-def test_the_hash_scheme_names_vllms_algorithm(models: dict[int, Path]) -> None:
-    assert hash_scheme(vllm_config(models[1], {})) == "vllm:sha256"
+def test_the_hash_scheme_names_vllms_algorithm(tiny_model: Callable[[str], Path]) -> None:
+    assert hash_scheme(vllm_config(tiny_model("llama-1kv"), {})) == "vllm:sha256"

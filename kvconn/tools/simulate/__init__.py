@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from kvconn.errors import ConfigError
+from kvconn.plan import plan_pages
 from kvconn.tools.models import PRESETS, Preset, get_preset, load_preset
 from kvconn.tools.store_options import add_store_arguments, connector_config
 
@@ -56,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--tokens-per-block", type=int, default=32, help="default 32")
     model.add_argument(
+        "--shard-heads",
+        type=int,
+        default=None,
+        metavar="G",
+        help="cut head-sharded pages at G shards of the heads (w<G>r<j>), so runs at "
+        "different --tp (dividing G) share pages: the configuration's shard_heads "
+        "(default: unset, each TP size cuts its own shards)",
+    )
+    model.add_argument(
         "--policy",
         choices=("spread", "first"),
         default=None,
@@ -80,6 +90,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help="fault injection: with probability P per request, delete one page of a hit "
         "block between the lookup and the load (needs a backend that can delete)",
+    )
+    run_group.add_argument(
+        "--no-stripe",
+        dest="stripe",
+        action="store_false",
+        help="every rank reads every page it loads from the store; by default the ranks "
+        "form a gloo group and read each page several of them hold once per group, "
+        "passing it to the others over the group",
+    )
+    run_group.add_argument(
+        "--verify-replicas-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="over the gloo group, compare the pages several ranks hold across them at "
+        "the first save and for 1 saved block in N (configuration verify_replicas_every, "
+        "default 1000; 0: never)",
+    )
+    run_group.add_argument(
+        "--inject-mismatch",
+        metavar="ROLE:RANK",
+        default=None,
+        help="fault injection: rank RANK computes role ROLE differently from the ranks it "
+        "shares it with (e.g. index_k:1); replica checks should name it and key that "
+        "page kind per rank (use a store without this model's earlier pages: loads before "
+        "the first check read them, and the report counts those as errors)",
     )
     run_group.add_argument(
         "--start-method",
@@ -114,6 +150,16 @@ def _layers(text: str, preset: Preset) -> int:
     return preset.resolve_layers(value)
 
 
+def _mismatch(text: str | None) -> tuple[str, int] | None:
+    """``--inject-mismatch ROLE:RANK`` as ``(role, rank)``."""
+    if text is None:
+        return None
+    role, sep, rank = text.rpartition(":")
+    if not sep or not role or not rank.isdigit():
+        raise ConfigError(f"--inject-mismatch expects ROLE:RANK (e.g. index_k:1), got {text!r}")
+    return role, int(rank)
+
+
 def settings_from_args(args: argparse.Namespace) -> Any:
     """Validated :class:`~kvconn.tools.simulate.runner.SimSettings` from parsed arguments."""
     import multiprocessing
@@ -123,7 +169,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
     preset = _preset(args)
     layers = _layers(args.layers, preset)
-    overrides = {"writer_policy": args.policy} if args.policy else None
+    overrides: dict[str, Any] = {"writer_policy": args.policy} if args.policy else {}
+    if args.verify_replicas_every is not None:
+        overrides["verify_replicas_every"] = args.verify_replicas_every
+    if args.shard_heads is not None:
+        overrides["shard_heads"] = args.shard_heads
     config = connector_config(args, preset.name, overrides)
     workload = WorkloadSpec(
         seed=args.seed,
@@ -148,8 +198,11 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         evict_rate=args.evict_rate,
         start_method=start_method,
         salt=args.salt,
+        stripe=args.stripe,
+        mismatch=_mismatch(args.inject_mismatch),
     )
-    preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # fail fast on units
+    layout = preset.layout(settings.tp_size, layers, 1, settings.tokens_per_block)  # units
+    plan_pages(layout, config.checksum, config.shard_heads)  # fail fast on shard_heads
     return settings
 
 

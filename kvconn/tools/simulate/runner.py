@@ -10,27 +10,32 @@ and save the rest. It never touches KV bytes itself.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, TextIO
 
+from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
-from kvconn.connector import Connector
-from kvconn.errors import ConfigError, KvconnError
+from kvconn.errors import BackendError, ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
-from kvconn.plan import lookup_keys
+from kvconn.keys import key_prefix
+from kvconn.lookup import Lookup
 from kvconn.redaction import redact_url
 from kvconn.registry import load_backend
+from kvconn.tools.inspect_store import footprint
 from kvconn.tools.models import Preset
 from kvconn.tools.simulate.budget import available_memory, check_memory, estimate_memory
-from kvconn.tools.simulate.report import build_report
+from kvconn.tools.simulate.report import StoreHolding, build_report
 from kvconn.tools.simulate.timing import TimedBackend, describe_location, timed
 from kvconn.tools.simulate.worker import RankSpec, rank_main
 from kvconn.tools.simulate.workload import Request, WorkloadSpec, generate
@@ -53,6 +58,11 @@ class SimSettings:
     evict_rate: float = 0.0  # chance per request of evicting one hit page after lookup
     start_method: str = "forkserver"
     salt: str = ""
+    #: Ranks form a gloo group and read each shared page once per group (TP > 1).
+    stripe: bool = True
+    #: ``(role, rank)``: that rank computes the role differently from the ranks it
+    #: should share it with (a fault for replica checks to find), or None.
+    mismatch: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.preset, Preset):
@@ -77,6 +87,20 @@ class SimSettings:
         _bounded_int("--layers", self.layers, self.preset.layers)
         if not isinstance(self.salt, str):
             raise ConfigError(f"--salt must be a string, got {self.salt!r}")
+        if not isinstance(self.stripe, bool):
+            raise ConfigError(f"stripe must be a bool, got {self.stripe!r}")
+        if self.mismatch is not None:
+            role, rank = self.mismatch
+            names = [r.name for r in self.preset.roles]
+            if role not in names:
+                raise ConfigError(
+                    f"--inject-mismatch: {self.preset.name} has no role {role!r}; "
+                    f"its roles: {', '.join(names)}"
+                )
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.tp_size:
+                raise ConfigError(
+                    f"--inject-mismatch: rank {rank!r} is not a rank of TP={self.tp_size}"
+                )
 
 
 #: Largest TP group simulated: beyond real deployments (NVL72 is 72 GPUs), and each rank
@@ -219,14 +243,21 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     layout = settings.preset.layout(settings.tp_size, settings.layers, num_slots, tpb)
     prompt_tokens = sum(len(r.tokens) for r in requests)
     check_memory(estimate(pool_sizes=layout.pool_sizes, prompt_tokens=prompt_tokens), available)
-    backend = timed(load_backend(settings.config.backend, settings.config.options))
-    coordinator = Connector(settings.config, layout, rank=0, backend=backend)
+    config = settings.config
+    # Asked once, here, before any rank starts: keys of this namespace and model must be
+    # the user's to write (a Redis ACL user may be confined to other keys).
+    prefix = key_prefix(config.namespace, config.model)
+    backend = timed(load_backend(config.backend, config.options, key_prefix=prefix))
+    # The scheduler's lookup: it follows per-rank markers, as an engine's does.
+    coordinator = Lookup(config, layout, backend=backend)
     try:
         if settings.evict_rate > 0 and not backend.capabilities.delete:
             raise ConfigError(
                 f"--evict-rate needs a backend that can delete; {backend.name!r} cannot"
             )
         location = describe_location(backend)
+        striped = settings.stripe and settings.tp_size > 1
+        workdir = tempfile.mkdtemp(prefix="kvconn-simulate-")
         specs = [
             RankSpec(
                 rank,
@@ -235,11 +266,22 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
                 settings.layers,
                 num_slots,
                 tpb,
-                settings.config,
+                # a group of the ranks: striped loads (and replica checks over it)
+                replace(settings.config, stripe_reads=True) if striped else settings.config,
+                rendezvous=os.path.join(workdir, "group") if striped else None,
+                diverged=frozenset(
+                    [settings.mismatch[0]]
+                    if settings.mismatch is not None and settings.mismatch[1] == rank
+                    else []
+                ),
             )
             for rank in range(settings.tp_size)
         ]
-        group = _Group(specs, settings.start_method)
+        try:
+            group = _Group(specs, settings.start_method)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         try:
             replay_start = time.perf_counter()
             coord = _replay(settings, requests, coordinator, backend, group, num_slots, progress)
@@ -248,6 +290,8 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
             results = group.gather("result")
         finally:
             group.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+        held = store_holding(backend, coordinator.keys.prefix)
     finally:
         coordinator.close()
     return build_report(
@@ -255,6 +299,7 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
         layout=layout,
         location=location,
         coordinator=coord,
+        held=held,
         ranks=results,
         wall_s=time.perf_counter() - wall_start,
         startup_s=replay_start - wall_start,
@@ -263,10 +308,30 @@ def simulate(settings: SimSettings, progress: TextIO | None = None) -> dict[str,
     )
 
 
+def store_holding(backend: Backend, prefix: str) -> StoreHolding | None:
+    """What the store holds under ``prefix`` (this namespace and model), all runs together.
+
+    A rerun of the same workload writes nothing, so what *this run* stored is 0 bytes;
+    next to it the report shows what is there for the model, which is what the rerun
+    hits. ``None`` when the backend cannot list its keys, or the listing failed.
+    """
+    if not backend.capabilities.listing:
+        return None
+    try:
+        fp = footprint(backend.list_keys(prefix))
+    except BackendError:
+        return None
+    return StoreHolding(
+        prefix=prefix,
+        pages=sum(row.pages for row in fp.rows.values()),
+        bytes=sum(row.bytes for row in fp.rows.values()),
+    )
+
+
 def _replay(
     settings: SimSettings,
     requests: Sequence[Request],
-    coordinator: Connector,
+    coordinator: Lookup,
     backend: TimedBackend,
     group: _Group,
     num_slots: int,
@@ -310,7 +375,7 @@ def _replay(
             hit = found.blocks
             if hit and settings.evict_rate and rng.random() < settings.evict_rate:
                 victim = rng.randrange(hit)
-                keys = lookup_keys(coordinator.prefix, coordinator.plans, [hashes[victim]])[0]
+                keys = coordinator.keys.block_keys(hashes[victim])
                 backend.delete([rng.choice(keys)])  # as an eviction between lookup and load
                 out["evictions"] += 1
             slots = rng.sample(range(num_slots), len(hashes))

@@ -3,11 +3,12 @@ planning time from the store's."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
-from kvconn.backend import Backend
+from kvconn.backend import Backend, ReadStatus
 
 T = TypeVar("T")
 
@@ -54,11 +55,26 @@ class TimedBackend(Backend):
     ) -> list[bool]:
         return self._timed(lambda: self.inner.get(keys, buffers, scratch=scratch))
 
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[Any], *, scratch: bool = False
+    ) -> list[ReadStatus]:
+        return self._timed(lambda: self.inner.read(keys, buffers, scratch=scratch))
+
+    @contextlib.contextmanager
+    def borrow(self, keys: Sequence[str]) -> Iterator[list[memoryview | None]]:
+        """Times the lending only: verifying and copying the lent bytes is the
+        connector's work, done inside the block."""
+        with contextlib.ExitStack() as stack:
+            yield self._timed(lambda: stack.enter_context(self.inner.borrow(keys)))
+
     def delete(self, keys: Sequence[str]) -> list[bool]:
         return self._timed(lambda: self.inner.delete(keys))
 
     def list_keys(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         return self.inner.list_keys(prefix)
+
+    def check_access(self, key_prefix: str) -> None:
+        self.inner.check_access(key_prefix)
 
     def _exists(self, keys: list[str]) -> Sequence[bool]:
         return self.inner._exists(keys)
@@ -68,6 +84,11 @@ class TimedBackend(Backend):
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
         return self.inner._get(keys, buffers, scratch=scratch)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        return self.inner._read_status(keys, buffers, scratch=scratch)
 
     def register_buffer(self, buffer: memoryview) -> None:
         self.inner.register_buffer(buffer)

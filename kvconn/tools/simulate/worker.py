@@ -10,6 +10,7 @@ that a page that failed on one rank makes every rank recompute that block.
 
 from __future__ import annotations
 
+import datetime
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from kvconn.tools.simulate.timing import TimedBackend, timed
 T = TypeVar("T")
 
 PARTS = ("store", "movement", "planning", "compute", "verify")
+#: A rank that died leaves the others in a collective this long, not gloo's 30 minutes.
+GROUP_TIMEOUT_S = 300
 
 
 class _Clock:
@@ -56,6 +59,11 @@ class RankSpec:
     tokens_per_block: int
     config: ConnectorConfig
     max_examples: int = 5
+    #: The file through which the ranks form a gloo group for striped loads (None: every
+    #: rank reads every page it loads itself).
+    rendezvous: str | None = None
+    #: Roles this rank computes differently from its replicas (an injected mismatch).
+    diverged: frozenset[str] = frozenset()
 
     def layout(self) -> KvLayout:
         return self.preset.layout(self.tp_size, self.layers, self.num_slots, self.tokens_per_block)
@@ -67,10 +75,18 @@ class RankWorker:
         self.layout = spec.layout()
         self.pools = [torch.zeros(size, dtype=torch.uint8) for size in self.layout.pool_sizes]
         self.backend: TimedBackend = timed(load_backend(spec.config.backend, spec.config.options))
+        self.group = _join_group(spec) if spec.rendezvous is not None else None
         self.connector = Connector(
-            spec.config, self.layout, rank=spec.rank, pools=self.pools, backend=self.backend
+            spec.config,
+            self.layout,
+            rank=spec.rank,
+            pools=self.pools,
+            backend=self.backend,
+            group=self.group,
         )
-        self.synth = Synth(self.layout, spec.rank, spec.config.model)
+        self.synth = Synth(
+            self.layout, spec.rank, spec.config.model, spec.config.shard_heads, spec.diverged
+        )
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         for group in self.layout.groups:
             for r in group.regions:
@@ -118,10 +134,16 @@ class RankWorker:
         self._connector_call(lambda: self.connector.save(hashes, slots))
 
     def verify(self, n: int) -> None:
-        """Compare every page of blocks ``0..n`` with recomputation, byte for byte."""
+        """Compare every page of blocks ``0..n`` with recomputation, byte for byte.
+
+        A page kind this rank holds several pages of per block (``shard_heads``) is
+        checked over its whole regions once, and counts as that many pages.
+        """
         clock = _Clock()
         hashes, slots = self._hashes[:n], self._slots[:n]
         for share in self.connector.shares:
+            if share.part:
+                continue  # the kind's first share checks its whole regions
             bad = torch.zeros(n, dtype=torch.bool)
             for region in share.plan.regions:
                 view = self.view(region)
@@ -131,8 +153,8 @@ class RankWorker:
                 if bool(rows.any()):
                     self._note(share, region, rows, got, expected)
                 bad |= rows
-            self.verified += n
-            self.errors += int(bad.sum())
+            self.verified += n * share.plan.parts
+            self.errors += int(bad.sum()) * share.plan.parts
         clock.add_to(self.times, self.cpu, "verify")
 
     def _note(
@@ -191,6 +213,26 @@ class RankWorker:
 
     def close(self) -> None:
         self.connector.close()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _join_group(spec: RankSpec) -> Any:
+    """The TP group as an engine would hand it over: gloo, the ranks in TP order."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{spec.rendezvous}",
+        rank=spec.rank,
+        world_size=spec.tp_size,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    return dist.new_group(
+        list(range(spec.tp_size)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    )
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))

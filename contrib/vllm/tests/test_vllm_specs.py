@@ -1,0 +1,245 @@
+"""kvconn layouts from vLLM's own KV-cache spec objects, grouping and allocation.
+
+No engine: the specs are vLLM's classes (the DeepSeek-V3.2 indexer's from its own
+layer), ``get_kv_cache_configs`` groups them as the engine core does, and
+``allocate_kv_cache`` makes the tensors a worker would hand the connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.utils import (
+    get_supported_kv_cache_layouts,
+    resolve_kv_cache_layout,
+)
+from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvconn.errors import ConfigError
+from kvconn.layout import KvLayout
+from kvconn.plan import plan_pages
+from kvconn_vllm.connector import KvconnConnector
+from kvconn_vllm.layout import kv_layout
+from kvconn_vllm.specs import cache_groups, window_blocks
+
+
+def engine_config(model: Path) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=256
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvconnConnector",
+            kv_connector_module_path="kvconn_vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"model": "m", "backend": "lmdb"},
+        ),
+    )
+
+
+def allocate(
+    config: VllmConfig, specs: dict[str, KVCacheSpec], backend: str
+) -> tuple[KVCacheConfig, dict[str, torch.Tensor]]:
+    """vLLM's grouping and allocation of these layers, as the engine and a worker do it."""
+    config.cache_config.block_size = next(iter(specs.values())).block_size
+    layouts = get_supported_kv_cache_layouts([AttentionBackendEnum[backend].get_class()])
+    resolve_kv_cache_layout(config, [[x.name for x in layouts]], list(specs.values()))
+    (kv_cache_config,) = get_kv_cache_configs(config, [specs], [4 << 20])
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    return kv_cache_config, allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+
+
+def derive(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, caches: dict[str, torch.Tensor], tp: int
+) -> KvLayout:
+    layout, _ = kv_layout(
+        caches,
+        cache_groups(config, kv_cache_config),
+        num_blocks=kv_cache_config.num_blocks,
+        block_size=config.cache_config.block_size,
+        tp_size=tp,
+        dtype_tags={name: f"{t.dtype}" for name, t in caches.items()},
+    )
+    return layout
+
+
+def mla_latent(block_size: int = 16) -> MLAAttentionSpec:
+    """The spec vLLM's MLA attention layer declares (``MLAAttention.get_kv_cache_spec``)."""
+    return MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=576,
+        dtype=torch.float32,
+        cache_dtype_str="auto",
+    )
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_deepseek_v2s_mla_latent_is_one_replicated_page_per_block_at_any_tp(
+    tp: int, tiny_model: Callable[[str], Path]
+) -> None:
+    config = engine_config(tiny_model("deepseek-v2"))
+    assert config.model_config.use_mla
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.self_attn.attn": mla_latent() for i in (0, 1)
+    }
+    kv_cache_config, caches = allocate(config, specs, "CPU_MLA")
+    layout = derive(config, kv_cache_config, caches, tp)
+    assert [(r.name, r.units) for r in layout.roles] == [("latent", 1)]
+    (plan,) = plan_pages(layout)
+    assert plan.shard_class.replicated and plan.page_size == 2 * 16 * 576 * 4
+    assert layout.tokens_per_block == 16
+
+
+def test_deepseek_v32s_indexer_keys_join_the_latents_replicated_page(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """The indexer's cache is vLLM's ``DeepseekV32IndexerCache``: an ``MLAAttentionSpec``
+    with the ``INDEXER`` role, 128 fp8 values and a 4-byte scale per token."""
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache
+
+    config = engine_config(tiny_model("deepseek-v2"))
+    config.cache_config.block_size = 16  # what the indexer's spec takes its block size from
+    specs: dict[str, KVCacheSpec] = {}
+    with set_current_vllm_config(config):
+        for i in (0, 1):
+            specs[f"model.layers.{i}.self_attn.attn"] = mla_latent()
+            name = f"model.layers.{i}.self_attn.indexer.k_cache"
+            cache = DeepseekV32IndexerCache(132, torch.uint8, name, config.cache_config)
+            specs[name] = cache.get_kv_cache_spec(config)
+    kv_cache_config, caches = allocate(config, specs, "CPU_MLA")
+    layout = derive(config, kv_cache_config, caches, tp=8)
+    assert sorted((r.name, r.units) for r in layout.roles) == [("index_k", 1), ("latent", 1)]
+    (plan,) = plan_pages(layout)  # both in the one replicated page of a block
+    assert plan.shard_class.replicated
+    assert dict(plan.role_bytes) == {"latent": 2 * 16 * 576 * 4, "index_k": 2 * 16 * 132}
+
+
+def test_each_hybrid_kv_cache_group_is_a_layer_group_and_the_sliding_one_has_its_window(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = engine_config(tiny_model("gemma3"))
+    kv = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.self_attn.attn": (
+            SlidingWindowSpec(sliding_window=64, **kv) if i % 2 == 0 else FullAttentionSpec(**kv)
+        )
+        for i in range(4)
+    }
+    kv_cache_config, caches = allocate(config, specs, "CPU_ATTN")
+    assert len(kv_cache_config.kv_cache_groups) == 2  # the hybrid manager's groups
+    layout = derive(config, kv_cache_config, caches, tp=2)
+    assert [(g.index, g.window, [r.layer for r in g.regions]) for g in layout.groups] == [
+        (0, 2, [0, 2]),
+        (1, None, [1, 3]),
+    ]
+    plans = plan_pages(layout)
+    assert [(p.group, p.shard_class.label, p.window) for p in plans] == [
+        (0, "w2", 2),
+        (1, "w2", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("window", "block_size", "extra"),
+    [(64, 32, 0), (65, 32, 0), (4096, 16, 0), (100, 32, 7), (1, 32, 0)],
+)
+def test_a_sliding_window_needs_exactly_the_blocks_vllm_keeps_real_after_a_hit(
+    window: int, block_size: int, extra: int
+) -> None:
+    """For an N-block hit vLLM pads the first ``get_num_skipped_tokens(N * block_size)
+    // block_size`` blocks of a sliding group with its null block: the others are
+    loaded, and they are the window kvconn needs pages for."""
+    spec = SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=torch.float32,
+        sliding_window=window,
+        extra_retained_tokens=extra,
+    )
+    manager: Any = SimpleNamespace(sliding_window=window, extra_retained_tokens=extra)
+    for n in range(1, 300):
+        skipped = SlidingWindowManager.get_num_skipped_tokens(manager, n * block_size)
+        real = n - skipped // block_size
+        assert real == min(n, window_blocks(spec, block_size)) or (window == 1 and real == 0)
+
+
+def connector(config: VllmConfig, groups: list[KVCacheGroupSpec]) -> KvconnConnector:
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    return KvconnConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_a_model_with_mamba_state_is_refused_naming_the_model_and_the_reason(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Qwen3-Next's Gated DeltaNet layer, as vLLM describes it on this CPU."""
+    config = engine_config(tiny_model("qwen3-next"))
+    mamba = MambaSpec(
+        block_size=512,
+        shapes=((3, 512), (4, 64, 64)),
+        dtypes=(torch.float32, torch.float32),
+        page_size_padded=131072,
+    )
+    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+    ]
+    with pytest.raises(ConfigError) as error:
+        connector(config, groups)
+    message = str(error.value)
+    assert str(tiny_model("qwen3-next")) in message and "model.layers.0.linear_attn" in message
+    assert "recurrent state per request, not KV per block" in message
+
+
+def test_layers_of_an_unsupported_kind_are_refused(tiny_model: Callable[[str], Path]) -> None:
+    config = engine_config(tiny_model("llama-2kv"))
+    config.cache_config.block_size = 32
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, attention_chunk_size=64
+    )
+    with pytest.raises(ConfigError, match="does not support ChunkedLocalAttentionSpec layers"):
+        connector(config, [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], chunked)])
+
+
+def test_kv_cache_groups_with_another_block_size_are_refused(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = engine_config(tiny_model("gemma3"))
+    config.cache_config.block_size = 32
+    kv = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.0.self_attn.attn"],
+            SlidingWindowSpec(block_size=64, sliding_window=64, **kv),
+        ),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(block_size=32, **kv)),
+    ]
+    with pytest.raises(ConfigError, match="group 0 has 64-token blocks, block_size is 32"):
+        connector(config, groups)
+
+
+def test_the_connector_declares_support_for_vllms_hybrid_kv_cache_manager() -> None:
+    assert supports_hma(KvconnConnector)
