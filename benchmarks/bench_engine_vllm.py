@@ -32,7 +32,8 @@ Figures (``--figures``):
                lookup of a fresh engine, and the load against a memcpy of its bytes
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
-               --delay-ms to every exists/put/get (the test backend ``lmdb-slow``)
+               --delay-ms to every call reaching the store (exists, put, get/read,
+               borrow: the test backend ``lmdb-slow``)
   scheduler    time per get_num_new_matched_tokens call when the store never answers
                (a TCP server that accepts and stays silent, used as a Redis URL)
 
@@ -141,7 +142,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--decode-tokens", type=int, default=128, help="tokens decoded for tpot (128)"
     )
     parser.add_argument(
-        "--prefix-tokens", type=int, default=1024, help="the shared prefix for concurrency (1024)"
+        "--prefix-tokens",
+        type=int,
+        default=None,
+        help="the shared prefix for concurrency (1024, or --prompt-tokens if shorter)",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests (8)")
     parser.add_argument(
@@ -173,6 +177,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--trials must be >= 1")
     if args.prompt_tokens < 4 * BLOCK or args.prompt_tokens % BLOCK:
         parser.error(f"--prompt-tokens must be a multiple of {BLOCK}, at least {4 * BLOCK}")
+    if args.prefix_tokens is None:
+        args.prefix_tokens = min(1024, args.prompt_tokens)
     if not BLOCK <= args.prefix_tokens <= args.prompt_tokens or args.prefix_tokens % BLOCK:
         parser.error(f"--prefix-tokens must be a multiple of {BLOCK}, at most --prompt-tokens")
     if args.layers < 1:
@@ -500,8 +506,8 @@ class Runner:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_CPU_NUM_OF_RESERVED_CPU="1",
             MC_TCP_BIND_ADDRESS="127.0.0.1",
-            KVCONN_BENCH_TIMINGS=str(timings),
-            KVCONN_BENCH_MEMCPY_BLOCKS=str(self.hit_blocks),
+            BENCH_KVCONN_TIMINGS=str(timings),
+            BENCH_KVCONN_MEMCPY_BLOCKS=str(self.hit_blocks),
             PYTHONPATH=os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH")) if p),
         )
         if tp == 2:
@@ -833,6 +839,8 @@ class Results:
     binding: dict[str, list[str]] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     load: list[float] = field(default_factory=list)
+    #: where the engines' processes imported kvconn, its adapter and LMDB backend from
+    modules: set[str] = field(default_factory=set)
 
     def add(self, figure: str, tp: int, config: str, values: dict[str, Any]) -> None:
         self.samples.setdefault(f"{figure}/tp{tp}/{config}", []).append(values)
@@ -890,6 +898,7 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                     for variant in variants:
                         key = f"stall/tp{tp}/{variant}/t{trial}"
                         run = runner.run(key, variant, tp, plan.stall_phases(variant))
+                        note_modules(results, run)
                         if run.error:
                             results.error(key, run.error)
                             continue
@@ -898,12 +907,19 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                 if "scheduler" in figures and tp == 1:
                     key = f"scheduler/tp1/kvconn-silent/t{trial}"
                     run = runner.run(key, "kvconn-silent", 1, plan.scheduler_phases())
+                    note_modules(results, run)
                     if run.error:
                         results.error(key, run.error)
                     if run.records:
                         results.add("scheduler", 1, "kvconn-silent", scheduler_figures(run))
         results.load = runner.load
     return results
+
+
+def note_modules(results: Results, run: EngineRun) -> None:
+    for r in run.records:
+        if r["m"] == "modules":
+            results.modules.add(json.dumps(r.get("files"), sort_keys=True))
 
 
 def ttft_trial(
@@ -918,6 +934,7 @@ def ttft_trial(
     for role, phases in plan.ttft_engines(config, figures):
         key = f"ttft/tp{plan.tp}/{config.name}/{role}/t{plan.trial}"
         run = runner.run(key, config.name, plan.tp, phases)
+        note_modules(results, run)
         if run.error:
             results.error(key, run.error)
             if run.result is None and not run.records:  # it never served: do not retry
@@ -1103,6 +1120,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         fmt(m("inside", tp, c, "lookup_fresh"), 1000, 2),
                         fmt(memcpy, 1000, 2),
                         ratio(load, memcpy),
+                        ratio(m("inside", tp, c, "load_background_repeat"), memcpy),
                     ]
                 )
             if not rows:
@@ -1123,6 +1141,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         "1st lookup",
                         "memcpy",
                         "load/memcpy",
+                        "load bg/memcpy",
                     ],
                     rows,
                 )
@@ -1141,7 +1160,8 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         f"  {kv} / ExampleConnector: save {ratio(mine['save'], example['save'])},"
                         f" load {ratio(mine['load_fresh'], example['load_fresh'])},"
                         f" lookup {ratio(mine['lookup_repeat'], example['lookup_repeat'])}"
-                        " (targets <= 1; first lookup <= 5 ms; load/memcpy <= 2)"
+                        " (targets <= 1; first lookup <= 5 ms; load/memcpy <= 2, for kvconn"
+                        " the bytes move in its background load: load bg/memcpy)"
                     )
     if "stall" in args.figures:
         for tp in args.tp:
@@ -1235,6 +1255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         print("RESULT " + json.dumps(result), flush=True)
         return 0
+    # a TERM (a background job ignores INT) ends the run through its cleanups: the
+    # running engine's process group, redis-server and Mooncake's processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     began = time.time()
     start_header = header(args)
     with contextlib.ExitStack() as stack:
@@ -1254,6 +1277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         during = f"1-minute load average at engine starts and ends: median {mid:.1f}, "
         during += f"{low:.1f}-{high:.1f}; "
     print(f"{during}load average {loadavg()} at the end; {(time.time() - began) / 60:.0f} min")
+    for files in sorted(results.modules):
+        print(f"imported in the engines: {files}")
     print()
     print(text)
     if args.json:
@@ -1275,6 +1300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "samples": results.samples,
             "errors": results.errors,
             "cpu_binding": results.binding,
+            "modules": sorted(results.modules),
         }
         Path(args.json).write_text(json.dumps(document, indent=1))
     return 0

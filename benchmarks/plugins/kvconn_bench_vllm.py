@@ -12,12 +12,13 @@ a connector: the scheduler's and each worker's. What it provides:
 * a timer on kvconn's background transfers (``kvconn.transfer.Transfer``): submit to
   finish of each load and save, for an adapter that hands transfers to the
   ``TransferService``; a synchronous adapter leaves it silent.
-* ``SlowLmdbBackend`` (``lmdb-slow``): LMDB that sleeps ``delay_s`` in every
-  ``exists`` / ``put`` / ``get``, a stalled store for the stall figure. It is a kvconn
+* ``SlowLmdbBackend`` (``lmdb-slow``): LMDB that sleeps ``delay_s`` in every call
+  that reaches the store (exists, put, get/read, borrow, delete), a stalled store
+  for the stall figure. It is a kvconn
   backend found by its entry point (``kvconn_bench_vllm-0.0.dist-info`` next to this file),
   as any third-party backend would be.
 
-Each timed call appends one JSON line to ``$KVCONN_BENCH_TIMINGS/<pid>.jsonl``:
+Each timed call appends one JSON line to ``$BENCH_KVCONN_TIMINGS/<pid>.jsonl``:
 ``{"m": method, "t0": start, "dt": seconds, "pid", "role"}`` with ``t0`` on
 ``time.monotonic()``, one clock for every process of the machine, so the benchmark can
 attribute calls to the phases it timed in its own process. Nothing is written when the
@@ -26,6 +27,7 @@ variable is unset, and the connector behaves exactly as its base class.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -34,10 +36,12 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvconn_lmdb import LmdbBackend
+
+from kvconn.backend import ReadStatus
 
 #: The connector calls that are timed, where the class has them. Scheduler side:
 #: lookups and bookkeeping; worker side: loads, saves and completions.
@@ -79,7 +83,7 @@ _fd_pid = 0
 def _sink() -> int | None:
     """This process's timing file (reopened after a fork), or None when not measuring."""
     global _fd, _fd_pid
-    directory = os.environ.get("KVCONN_BENCH_TIMINGS")
+    directory = os.environ.get("BENCH_KVCONN_TIMINGS")
     if not directory:
         return None
     pid = os.getpid()
@@ -121,7 +125,7 @@ def _register_kv_caches(base: Any) -> Callable[..., Any]:
     """Also note the rank's KV bytes per block, and time a plain memcpy in this process.
 
     The load figure is read against a memcpy of the bytes a hit loads
-    (``KVCONN_BENCH_MEMCPY_BLOCKS`` blocks of this rank's KV cache), timed here, in the
+    (``BENCH_KVCONN_MEMCPY_BLOCKS`` blocks of this rank's KV cache), timed here, in the
     worker that does the load, before any request: the same process, the same memory.
     """
     call = base.register_kv_caches
@@ -149,7 +153,7 @@ def _note_geometry(connector: Any, kv_caches: dict[str, Any]) -> None:
         total += tensor.numel() * tensor.element_size()
     per_block = total // blocks
     record("kv_geometry", time.monotonic(), 0.0, role="worker", bytes_per_block=per_block)
-    wanted = int(os.environ.get("KVCONN_BENCH_MEMCPY_BLOCKS", "0"))
+    wanted = int(os.environ.get("BENCH_KVCONN_MEMCPY_BLOCKS", "0"))
     if wanted > 0:
         nbytes = wanted * per_block
         record("memcpy", time.monotonic(), memcpy_seconds(nbytes), role="worker", bytes=nbytes)
@@ -222,15 +226,32 @@ def _time_background_transfers() -> None:
     cls._finish = _finish
 
 
-if os.environ.get("KVCONN_BENCH_TIMINGS"):
+def _note_modules() -> None:
+    """Record where this process imported kvconn and its adapter from: the benchmark
+    reports it, so a run shows which checkout it measured."""
+    files = {}
+    for module in ("kvconn", "kvconn_vllm", "kvconn_lmdb"):
+        try:
+            files[module] = getattr(importlib.import_module(module), "__file__", None)
+        except ImportError as exc:
+            files[module] = f"not importable: {exc}"
+    record("modules", time.monotonic(), 0.0, role="?", files=files)
+
+
+if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
+    _note_modules()
 
 
 class SlowLmdbBackend(LmdbBackend):
-    """LMDB with ``delay_s`` added to every ``exists``, ``put`` and ``get`` call.
+    """LMDB with ``delay_s`` added to every call that reaches the store.
 
-    The delay is added at the public calls, which are what the connector makes, so it
-    applies however the core splits the work inside a backend.
+    The delay sits in the backend's own hooks, where every public call ends, so it
+    applies however the core reaches the store: ``exists`` (``_exists``), ``put``
+    (``_put``), ``get`` and ``read`` (both end in ``_read_status``; ``_get`` calls it,
+    so it is not delayed twice), ``borrow`` (``_borrow``: the core's loads on LMDB
+    read borrowed views, not ``get``) and ``delete``. One delay per call, whatever
+    the number of keys, as a store a round trip away would add.
     """
 
     name = "lmdb-slow"
@@ -239,16 +260,26 @@ class SlowLmdbBackend(LmdbBackend):
         super().__init__(path, **options)
         self.delay_s = float(delay_s)
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
         time.sleep(self.delay_s)
-        return super().exists(keys)
+        return super()._exists(keys)
 
-    def put(self, keys: Sequence[str], values: Sequence[Any]) -> list[bool]:
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         time.sleep(self.delay_s)
-        return super().put(keys, values)
+        return super()._put(keys, values)
 
-    def get(
-        self, keys: Sequence[str], buffers: Sequence[Any], *, scratch: bool = False
-    ) -> list[bool]:
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
         time.sleep(self.delay_s)
-        return super().get(keys, buffers, scratch=scratch)
+        return super()._read_status(keys, buffers, scratch=scratch)
+
+    @contextlib.contextmanager
+    def _borrow(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
+        time.sleep(self.delay_s)
+        with super()._borrow(keys) as views:
+            yield views
+
+    def _delete(self, keys: list[str]) -> Sequence[bool]:
+        time.sleep(self.delay_s)
+        return super()._delete(keys)
