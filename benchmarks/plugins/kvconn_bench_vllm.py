@@ -1,0 +1,285 @@
+"""Instruments for ``benchmarks/bench_engine_vllm.py``, loaded inside vLLM's processes.
+
+vLLM imports this module through ``kv_connector_module_path="kvconn_bench_vllm"``
+(``benchmarks/plugins`` is on the engine's ``PYTHONPATH``) in every process that builds
+a connector: the scheduler's and each worker's. What it provides:
+
+* ``TimedKvconnConnector``, ``TimedExampleConnector``, ``TimedMooncakeStoreConnector``:
+  subclasses of kvconn's adapter and of vLLM's own connectors that time the calls vLLM
+  makes on them, the same wrapper for every connector, so their figures compare. The
+  subclasses are made on first use: nothing here depends on an adapter's internals, so
+  the benchmark runs against whatever ``kvconn_vllm.KvconnConnector`` is at the time.
+* a timer on kvconn's background transfers (``kvconn.transfer.Transfer``): submit to
+  finish of each load and save, for an adapter that hands transfers to the
+  ``TransferService``; a synchronous adapter leaves it silent.
+* ``SlowLmdbBackend`` (``lmdb-slow``): LMDB that sleeps ``delay_s`` in every call
+  that reaches the store (exists, put, get/read, borrow, delete), a stalled store
+  for the stall figure. It is a kvconn
+  backend found by its entry point (``kvconn_bench_vllm-0.0.dist-info`` next to this file),
+  as any third-party backend would be.
+
+Each timed call appends one JSON line to ``$BENCH_KVCONN_TIMINGS/<pid>.jsonl``:
+``{"m": method, "t0": start, "dt": seconds, "pid", "role"}`` with ``t0`` on
+``time.monotonic()``, one clock for every process of the machine, so the benchmark can
+attribute calls to the phases it timed in its own process. Nothing is written when the
+variable is unset, and the connector behaves exactly as its base class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import importlib
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kvconn_lmdb import LmdbBackend
+
+from kvconn.backend import ReadStatus
+
+#: The connector calls that are timed, where the class has them. Scheduler side:
+#: lookups and bookkeeping; worker side: loads, saves and completions.
+TIMED_METHODS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+)
+
+#: Connector classes the benchmark can select, by the name it selects them with.
+_BASES = {
+    "TimedKvconnConnector": ("kvconn_vllm", "KvconnConnector"),
+    "TimedExampleConnector": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+        "ExampleConnector",
+    ),
+    "TimedMooncakeStoreConnector": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector",
+        "MooncakeStoreConnector",
+    ),
+}
+
+__all__ = ["TIMED_METHODS", "SlowLmdbBackend", "record", "timed_class", *_BASES]
+
+_lock = threading.Lock()
+_fd: int | None = None
+_fd_pid = 0
+
+
+def _sink() -> int | None:
+    """This process's timing file (reopened after a fork), or None when not measuring."""
+    global _fd, _fd_pid
+    directory = os.environ.get("BENCH_KVCONN_TIMINGS")
+    if not directory:
+        return None
+    pid = os.getpid()
+    if _fd is None or _fd_pid != pid:
+        path = os.path.join(directory, f"{pid}.jsonl")
+        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        _fd_pid = pid
+    return _fd
+
+
+def record(method: str, t0: float, dt: float, **extra: Any) -> None:
+    """Append one timing record; O_APPEND writes of one line do not interleave."""
+    with _lock:
+        fd = _sink()
+        if fd is None:
+            return
+        line = {"m": method, "t0": t0, "dt": dt, "pid": os.getpid(), **extra}
+        os.write(fd, (json.dumps(line) + "\n").encode())
+
+
+def _role(connector: Any) -> str:
+    role = getattr(connector, "_role", None)
+    return str(getattr(role, "name", role)).lower()
+
+
+def _timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(call)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            record(name, start, time.monotonic() - start, role=_role(self))
+
+    return wrapper
+
+
+def _register_kv_caches(base: Any) -> Callable[..., Any]:
+    """Also note the rank's KV bytes per block, and time a plain memcpy in this process.
+
+    The load figure is read against a memcpy of the bytes a hit loads
+    (``BENCH_KVCONN_MEMCPY_BLOCKS`` blocks of this rank's KV cache), timed here, in the
+    worker that does the load, before any request: the same process, the same memory.
+    """
+    call = base.register_kv_caches
+
+    @functools.wraps(call)
+    def register_kv_caches(self: Any, kv_caches: dict[str, Any]) -> Any:
+        start = time.monotonic()
+        try:
+            return call(self, kv_caches)
+        finally:
+            record("register_kv_caches", start, time.monotonic() - start, role=_role(self))
+            _note_geometry(self, kv_caches)
+
+    return register_kv_caches
+
+
+def _note_geometry(connector: Any, kv_caches: dict[str, Any]) -> None:
+    blocks = int(connector._kv_cache_config.num_blocks)
+    seen: set[int] = set()
+    total = 0
+    for tensor in kv_caches.values():
+        if tensor.data_ptr() in seen:  # a layer sharing another's KV adds nothing
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    per_block = total // blocks
+    record("kv_geometry", time.monotonic(), 0.0, role="worker", bytes_per_block=per_block)
+    wanted = int(os.environ.get("BENCH_KVCONN_MEMCPY_BLOCKS", "0"))
+    if wanted > 0:
+        nbytes = wanted * per_block
+        record("memcpy", time.monotonic(), memcpy_seconds(nbytes), role="worker", bytes=nbytes)
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
+    """Median time of ``memmove`` (libc's memcpy) of ``nbytes`` between two touched buffers."""
+    src = (ctypes.c_char * nbytes)()
+    dst = (ctypes.c_char * nbytes)()
+    ctypes.memset(src, 1, nbytes)  # touch every page of both first: no page faults timed
+    ctypes.memmove(dst, src, nbytes)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ctypes.memmove(dst, src, nbytes)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@functools.cache
+def timed_class(name: str) -> type:
+    """The connector class ``name`` selects, with every call in TIMED_METHODS timed."""
+    module, base_name = _BASES[name]
+    base = getattr(importlib.import_module(module), base_name)
+    namespace: dict[str, Any] = {"__module__": __name__, "__doc__": f"{base_name}, timed."}
+    for method in TIMED_METHODS:
+        call = getattr(base, method, None)
+        if callable(call):
+            namespace[method] = _timed(method, call)
+    namespace["register_kv_caches"] = _register_kv_caches(base)
+    return type(name, (base,), namespace)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASES:
+        return timed_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _time_background_transfers() -> None:
+    """Record submit -> finish of every kvconn background transfer in this process.
+
+    ``Transfer._finish`` runs once per transfer, on whichever thread finishes it; its
+    ``submitted`` stamp is ``time.monotonic()`` of the submit.
+    """
+    try:
+        transfer = importlib.import_module("kvconn.transfer")
+    except ImportError:  # a core without the transfer service
+        return
+    cls = getattr(transfer, "Transfer", None)
+    finish = getattr(cls, "_finish", None)
+    if cls is None or finish is None or getattr(finish, "_kvconn_bench", False):
+        return
+
+    @functools.wraps(finish)
+    def _finish(self: Any, result: Any) -> Any:
+        done = finish(self, result)
+        if done is not False:
+            submitted = float(getattr(self, "submitted", time.monotonic()))
+            record(
+                f"transfer_{getattr(self, 'kind', '?')}",
+                submitted,
+                time.monotonic() - submitted,
+                role="worker",
+                blocks=getattr(self, "blocks", None),
+            )
+        return done
+
+    _finish._kvconn_bench = True  # type: ignore[attr-defined]
+    cls._finish = _finish
+
+
+def _note_modules() -> None:
+    """Record where this process imported kvconn and its adapter from: the benchmark
+    reports it, so a run shows which checkout it measured."""
+    files = {}
+    for module in ("kvconn", "kvconn_vllm", "kvconn_lmdb"):
+        try:
+            files[module] = getattr(importlib.import_module(module), "__file__", None)
+        except ImportError as exc:
+            files[module] = f"not importable: {exc}"
+    record("modules", time.monotonic(), 0.0, role="?", files=files)
+
+
+if os.environ.get("BENCH_KVCONN_TIMINGS"):
+    _time_background_transfers()
+    _note_modules()
+
+
+class SlowLmdbBackend(LmdbBackend):
+    """LMDB with ``delay_s`` added to every call that reaches the store.
+
+    The delay sits in the backend's own hooks, where every public call ends, so it
+    applies however the core reaches the store: ``exists`` (``_exists``), ``put``
+    (``_put``), ``get`` and ``read`` (both end in ``_read_status``; ``_get`` calls it,
+    so it is not delayed twice), ``borrow`` (``_borrow``: the core's loads on LMDB
+    read borrowed views, not ``get``) and ``delete``. One delay per call, whatever
+    the number of keys, as a store a round trip away would add.
+    """
+
+    name = "lmdb-slow"
+
+    def __init__(self, path: str | None = None, *, delay_s: float = 0.2, **options: Any) -> None:
+        super().__init__(path, **options)
+        self.delay_s = float(delay_s)
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        time.sleep(self.delay_s)
+        return super()._exists(keys)
+
+    def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
+        time.sleep(self.delay_s)
+        return super()._put(keys, values)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        time.sleep(self.delay_s)
+        return super()._read_status(keys, buffers, scratch=scratch)
+
+    @contextlib.contextmanager
+    def _borrow(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
+        time.sleep(self.delay_s)
+        with super()._borrow(keys) as views:
+            yield views
+
+    def _delete(self, keys: list[str]) -> Sequence[bool]:
+        time.sleep(self.delay_s)
+        return super()._delete(keys)
