@@ -65,7 +65,10 @@ def loopback_env() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def cluster(loopback_env: None) -> Iterator[MooncakeCluster]:
     _require_mooncake()
-    with MooncakeCluster(storage_processes=1, segment_size=256 * MiB) as running:
+    # write_stall stops the storage process for as long as a test waits for its held
+    # puts (up to 30 s on a loaded machine); the master must not take the silence for
+    # a death and drop its segment, with every object in it, after its default 10 s.
+    with MooncakeCluster(storage_processes=1, segment_size=256 * MiB, client_ttl=120) as running:
         yield running
 
 
