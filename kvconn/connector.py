@@ -646,13 +646,16 @@ class Connector:
             loaded += good
             if start + good < stop:
                 break
-        return self._loaded(loaded, len(hashes))
+        return self._loaded(loaded, len(hashes), slots)
 
-    def _loaded(self, loaded: int, blocks: int) -> LoadResult:
+    def _loaded(self, loaded: int, blocks: int, slots: SlotMap) -> LoadResult:
         failed = tuple(range(loaded, blocks))
         if failed:
+            # pages a failed block would have loaded: none of a group it has no slot in
+            wanted = {g: int((t[loaded:blocks] != NO_SLOT).sum()) for g, t in slots.items()}
             for share in self.shares:
-                self.stats.add("failed", share.plan, len(failed))
+                if wanted[share.plan.group]:
+                    self.stats.add("failed", share.plan, wanted[share.plan.group])
         return LoadResult(loaded, failed)
 
     def _load_striped(
@@ -685,7 +688,7 @@ class Connector:
                 loaded += good
                 if start + good < stop:
                     break
-        return self._loaded(loaded, len(hashes))
+        return self._loaded(loaded, len(hashes), slots)
 
     def decline_load(self, hashes: Sequence[bytes], slots: SlotMap) -> LoadResult:
         """Fail a load this rank cannot run (no staging before its deadline, closing).
@@ -695,7 +698,7 @@ class Connector:
         """
         if self._striped is not None and hashes:
             return self._load_striped(self._striped, hashes, slots, None, None, None)
-        return self._loaded(0, len(hashes))
+        return self._loaded(0, len(hashes), slots)
 
     def load_bytes(self, blocks: int) -> int:
         """Staging one chunk of a load of ``blocks`` blocks takes at most."""

@@ -448,6 +448,24 @@ def test_a_missing_page_outside_the_window_does_not_fail_a_load_that_does_not_as
     assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [1, 2, 3]}).failed == (0, 1, 2)
 
 
+def test_a_failed_load_counts_failed_pages_only_where_its_blocks_had_slots(store):
+    """A failed block fails the pages it asked for: none of a group it has no slot in."""
+    writer, peer = hybrid_pair(store)
+    for conn in (writer, peer):
+        conn.save(HASHES[:2], {0: FULL_SLOTS[:2], 1: SLIDING_SLOTS[:2]})
+    pool = torch.zeros(512, dtype=torch.uint8)
+    reader = Connector(
+        ConnectorConfig(model="m", backend="dict"),
+        sliding_layout(),
+        pools=[pool, pool],
+        backend=store,
+    )
+    # blocks 2 and 3 were never stored; the sliding group has a slot only for block 3
+    result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT, NO_SLOT, NO_SLOT, 3]})
+    assert result.loaded == 2 and result.failed == (2, 3)
+    assert reader.stats.pages("failed") == 2 + 1  # the full group's two, block 3's sliding
+
+
 def test_a_load_from_lent_values_with_no_slot_in_a_whole_group_loads_the_other_groups(
     tmp_path,
 ):
