@@ -385,6 +385,14 @@ def hybrid_pair(store, layout=None):
     return group
 
 
+def sliding_reader(store, **settings):
+    """A fresh rank-0 connector over ``sliding_layout`` with a zeroed pool (both groups
+    in one tensor), to load what ``hybrid_pair`` saved."""
+    pool = torch.zeros(512, dtype=torch.uint8)
+    config = ConnectorConfig(**{"model": "m", "backend": "dict", **settings})
+    return Connector(config, sliding_layout(), pools=[pool, pool], backend=store), pool
+
+
 FULL_SLOTS = [1, 2, 3, 4]
 SLIDING_SLOTS = [5, 6, 7, 0]
 
@@ -414,13 +422,7 @@ def test_a_group_with_no_slot_for_a_block_neither_saves_nor_loads_its_page(store
     )
     assert sum("/lg1/" in k for k in page_values(store)) == 4
     assert writer.lookup(HASHES[:4]).blocks == 4
-    pool = torch.zeros(512, dtype=torch.uint8)
-    reader = Connector(
-        ConnectorConfig(model="m", backend="dict"),
-        sliding_layout(),
-        pools=[pool, pool],
-        backend=store,
-    )
+    reader, pool = sliding_reader(store)
     result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT, NO_SLOT, 2, 3]})
     assert result.loaded == 4 and result.ok
     source = writer.pools[0]
@@ -436,13 +438,7 @@ def test_a_missing_page_outside_the_window_does_not_fail_a_load_that_does_not_as
         conn.save(HASHES[:3], {0: FULL_SLOTS[:3], 1: SLIDING_SLOTS[:3]})
     for key in [k for k in store.data if "/lg1/" in k and k.endswith(HASHES[0].hex())]:
         del store.data[key]
-    pool = torch.zeros(512, dtype=torch.uint8)
-    reader = Connector(
-        ConnectorConfig(model="m", backend="dict"),
-        sliding_layout(),
-        pools=[pool, pool],
-        backend=store,
-    )
+    reader, _ = sliding_reader(store)
     assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [NO_SLOT, 2, 3]}).loaded == 3
     # asked for it, the missing page fails its block and every later one
     assert reader.load(HASHES[:3], {0: [4, 5, 6], 1: [1, 2, 3]}).failed == (0, 1, 2)
@@ -453,13 +449,7 @@ def test_a_failed_load_counts_failed_pages_only_where_its_blocks_had_slots(store
     writer, peer = hybrid_pair(store)
     for conn in (writer, peer):
         conn.save(HASHES[:2], {0: FULL_SLOTS[:2], 1: SLIDING_SLOTS[:2]})
-    pool = torch.zeros(512, dtype=torch.uint8)
-    reader = Connector(
-        ConnectorConfig(model="m", backend="dict"),
-        sliding_layout(),
-        pools=[pool, pool],
-        backend=store,
-    )
+    reader, _ = sliding_reader(store)
     # blocks 2 and 3 were never stored; the sliding group has a slot only for block 3
     result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT, NO_SLOT, NO_SLOT, 3]})
     assert result.loaded == 2 and result.failed == (2, 3)
@@ -480,9 +470,7 @@ def test_a_load_from_lent_values_with_no_slot_in_a_whole_group_loads_the_other_g
         writer, peer = hybrid_pair(lmdb)
         for conn in (writer, peer):
             conn.save(HASHES[:4], {0: FULL_SLOTS, 1: SLIDING_SLOTS})
-        pool = torch.zeros(512, dtype=torch.uint8)
-        config = ConnectorConfig(model="m", backend="lmdb", retry_interval_s=0)
-        reader = Connector(config, sliding_layout(), pools=[pool, pool], backend=lmdb)
+        reader, pool = sliding_reader(lmdb, backend="lmdb", retry_interval_s=0)
         assert lmdb.capabilities.borrowed_reads
         result = reader.load(HASHES[:4], {0: [4, 5, 6, 7], 1: [NO_SLOT] * 4})
         assert result.loaded == 4 and result.ok
