@@ -634,19 +634,32 @@ class Connector:
         if self._striped is not None and not _has_no_slot(slots):
             return self._load_striped(self._striped, hashes, slots, take, gate, done)
         movers = self._require_pools()
+        loaded = self._by_chunks(
+            len(hashes),
+            lambda start, stop: self._load_chunk(hashes, start, stop, slots, movers, take, gate),
+            done,
+        )
+        return self._loaded(loaded, len(hashes), slots)
+
+    def _by_chunks(
+        self, blocks: int, load: Callable[[int, int], int], done: Callable[[], None] | None
+    ) -> int:
+        """Blocks loaded by ``load(start, stop)`` over a load's chunks in order, stopping
+        after the first chunk that loads short; ``done`` after each chunk, whatever
+        happened. Every rank of a group chunks alike (:meth:`_load_chunk_blocks`)."""
         chunk = self._load_chunk_blocks()
         loaded = 0
-        for start in range(0, len(hashes), chunk):
-            stop = min(start + chunk, len(hashes))
+        for start in range(0, blocks, chunk):
+            stop = min(start + chunk, blocks)
             try:
-                good = self._load_chunk(hashes, start, stop, slots, movers, take, gate)
+                good = load(start, stop)
             finally:
                 if done is not None:
                     done()
             loaded += good
             if start + good < stop:
                 break
-        return self._loaded(loaded, len(hashes), slots)
+        return loaded
 
     def _loaded(self, loaded: int, blocks: int, slots: SlotMap) -> LoadResult:
         failed = tuple(range(loaded, blocks))
@@ -673,21 +686,14 @@ class Connector:
         agreed good prefix is short (a cancelled load makes its next agreement short).
         """
         movers = self._require_pools()
-        chunk = self._load_chunk_blocks()
-        loaded = 0
         with striped.group.lock:
-            for start in range(0, len(hashes), chunk):
-                stop = min(start + chunk, len(hashes))
-                try:
-                    good = striped.chunk(
-                        hashes, start, stop, slots, movers, take, gate, self.device
-                    )
-                finally:
-                    if done is not None:
-                        done()
-                loaded += good
-                if start + good < stop:
-                    break
+            loaded = self._by_chunks(
+                len(hashes),
+                lambda start, stop: striped.chunk(
+                    hashes, start, stop, slots, movers, take, gate, self.device
+                ),
+                done,
+            )
         return self._loaded(loaded, len(hashes), slots)
 
     def decline_load(self, hashes: Sequence[bytes], slots: SlotMap) -> LoadResult:
