@@ -18,14 +18,13 @@ from kvconn_lmdb import LmdbBackend
 
 from kvconn.errors import BackendError, ConfigError
 from kvconn.registry import load_backend
-from kvconn.testing import BackendTests
+from kvconn.testing import BackendTests, ExactReadStatusTests
 from kvconn.testing.processes import rank_context, start
 
 
-class TestLmdbConformance(BackendTests):
+# the map holds every value this machine stores: a stored value is never unreachable
+class TestLmdbConformance(BackendTests, ExactReadStatusTests):
     backend_name = "lmdb"
-    # the map holds every value this machine stores: a stored value is never unreachable
-    reads_tell_missing_from_wrong_size = True
 
     @pytest.fixture
     def backend_options(self, tmp_path):

@@ -33,7 +33,7 @@ from kvconn.backend import Backend, ReadStatus
 from kvconn.errors import BackendDependencyMissing, BackendError, BackendUnavailable, ConfigError
 from kvconn.keys import key_prefix
 from kvconn.registry import load_backend
-from kvconn.testing import BackendTests
+from kvconn.testing import BackendTests, ExactReadStatusTests
 from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver._ports import free_port
 from kvconn.tools.devserver.redis import RedisCluster, RedisServer
@@ -124,10 +124,9 @@ def _open(options: dict[str, Any]) -> Backend:
 
 
 # ---------------------------------------------------------------- conformance
-class TestRedisConformance(BackendTests):
+# Redis answers for every key it is asked about (an unreachable server raises)
+class TestRedisConformance(BackendTests, ExactReadStatusTests):
     backend_name = "redis"
-    # Redis answers for every key it is asked about (an unreachable server raises)
-    reads_tell_missing_from_wrong_size = True
     # The held puts must outlast the test's look at the server on a busy machine.
     held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
@@ -144,9 +143,8 @@ class TestRedisConformance(BackendTests):
         return _PausedWrites(redis_server)
 
 
-class TestRedisClusterConformance(BackendTests):
+class TestRedisClusterConformance(BackendTests, ExactReadStatusTests):
     backend_name = "redis"
-    reads_tell_missing_from_wrong_size = True
     held_call_options: ClassVar[dict[str, Any]] = {"timeout_s": 60.0}
 
     @pytest.fixture

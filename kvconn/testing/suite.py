@@ -117,10 +117,6 @@ class BackendTests:
     backend_name: ClassVar[str] = ""
     #: Processes the concurrency test starts; each writes and reads.
     concurrent_processes: ClassVar[int] = 4
-    #: The store answers for every key it is asked about, so ``read`` always tells an
-    #: absent key (``MISSING``) from a value of another size (``WRONG_SIZE``), never
-    #: ``FAILED`` for them: a backend that declares it is held to exactly that.
-    reads_tell_missing_from_wrong_size: ClassVar[bool] = False
 
     # ------------------------------------------------------------ fixtures
     @pytest.fixture
@@ -298,26 +294,6 @@ class BackendTests:
         if not scratch:
             assert buf == bytearray(b"\x11" * size)
         assert backend.exists([key]) == [True]  # reading it changed nothing
-
-    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
-    def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
-        self, backend: Backend, prefix: str, scratch: bool
-    ) -> None:
-        """Where declared (``reads_tell_missing_from_wrong_size``), in one batch with a key
-        asked twice: the reason, never ``FAILED``, and failed buffers left untouched."""
-        if not self.reads_tell_missing_from_wrong_size:
-            pytest.skip("backend does not declare telling MISSING from WRONG_SIZE")
-        six, ok = f"{prefix}/six", f"{prefix}/ok"
-        assert backend.put([six, ok], [b"sixsix", b"ok"]) == [True, True]
-        bufs = [bytearray(5), bytearray(7), bytearray(6), bytearray(2)]
-        assert backend.read([six, six, f"{prefix}/absent", ok], bufs, scratch=scratch) == [
-            ReadStatus.WRONG_SIZE,
-            ReadStatus.WRONG_SIZE,
-            ReadStatus.MISSING,
-            ReadStatus.LOADED,
-        ]
-        assert bufs[:3] == [bytearray(5), bytearray(7), bytearray(6)]  # untouched
-        assert bufs[3] == b"ok"
 
     @pytest.mark.parametrize(
         "key",
@@ -769,3 +745,28 @@ def require_or_skip(reason: str | None) -> None:
     if in_ci():
         pytest.fail(f"server required in CI but unavailable: {reason}")
     pytest.skip(reason)
+
+
+class ExactReadStatusTests:
+    """For a backend whose store answers for every key it is asked about, so ``read``
+    always tells an absent key (``MISSING``) from a value of another size
+    (``WRONG_SIZE``), never ``FAILED`` for them. Mixed into a :class:`BackendTests`
+    subclass, whose ``backend`` and ``prefix`` fixtures it uses."""
+
+    @pytest.mark.parametrize("scratch", [False, True], ids=["checked", "scratch"])
+    def test_a_read_says_missing_for_an_absent_key_and_wrong_size_for_another_length(
+        self, backend: Backend, prefix: str, scratch: bool
+    ) -> None:
+        """In one batch with a key asked twice: the reason, never ``FAILED``, and failed
+        buffers left untouched."""
+        six, ok = f"{prefix}/six", f"{prefix}/ok"
+        assert backend.put([six, ok], [b"sixsix", b"ok"]) == [True, True]
+        bufs = [bytearray(5), bytearray(7), bytearray(6), bytearray(2)]
+        assert backend.read([six, six, f"{prefix}/absent", ok], bufs, scratch=scratch) == [
+            ReadStatus.WRONG_SIZE,
+            ReadStatus.WRONG_SIZE,
+            ReadStatus.MISSING,
+            ReadStatus.LOADED,
+        ]
+        assert bufs[:3] == [bytearray(5), bytearray(7), bytearray(6)]  # untouched
+        assert bufs[3] == b"ok"
