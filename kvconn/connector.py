@@ -605,16 +605,24 @@ class Connector:
             self.stats.add(event, self.shares[s].plan, n)
 
     # ------------------------------------------------------------------ load
-    def load(self, block_hashes: Sequence[bytes], slots: Slots) -> LoadResult:
+    def load(
+        self, block_hashes: Sequence[bytes], slots: Slots, *, stripe: bool = True
+    ) -> LoadResult:
         """Load this rank's pages of a hit prefix into its slots.
 
         A block is loaded only if every one of its pages arrived whole and passed its
         checksum; the first block that did not, and every block after it, are returned as
         failed and their slots are not written, so the engine recomputes exactly those.
+        ``stripe=False`` reads every page this rank needs itself, even over a group
+        (:mod:`kvconn.rounds`: a load the other ranks are not making).
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
         with self._staging.borrow() as staging:
-            return self.load_into(hashes, slots_, staging.take)
+            return self.load_into(hashes, slots_, staging.take, stripe=stripe)
+
+    def stripes(self, slots: SlotMap) -> bool:
+        """Whether a load into ``slots`` is striped over the group (so collective)."""
+        return self._striped is not None and not _has_no_slot(slots)
 
     def load_into(
         self,
@@ -624,6 +632,7 @@ class Connector:
         *,
         gate: Gate | None = None,
         done: Callable[[], None] | None = None,
+        stripe: bool = True,
     ) -> LoadResult:
         """:meth:`load` of checked arguments, reading through staging that ``take`` lends.
 
@@ -631,7 +640,7 @@ class Connector:
         are no longer needed. ``gate`` is entered before bytes are scattered into slots:
         a load cancelled meanwhile (the engine gave up on it) writes nothing more.
         """
-        if self._striped is not None and not _has_no_slot(slots):
+        if stripe and self._striped is not None and self.stripes(slots):
             return self._load_striped(self._striped, hashes, slots, take, gate, done)
         movers = self._require_pools()
         loaded = self._by_chunks(

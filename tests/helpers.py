@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+from typing import Any
 
 import torch
 
@@ -11,6 +13,9 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.layout import KvLayout, shard_position
 from kvconn.plan import WriterPolicy
+from kvconn.testing.ranks import run_ranks
+from kvconn.testing.tpgroup import compute_block, gloo_group, verify_block
+from kvconn.tools.models import get_preset
 
 
 def fill_pool(layout: KvLayout, rank: int, pools: list[torch.Tensor], salt: int = 0) -> None:
@@ -70,3 +75,74 @@ def slot_bytes(layout: KvLayout, pools: list[torch.Tensor], slot: int, roles=Non
                 start = region.base + slot * region.stride
                 out.append(bytes(pools[region.pool][start : start + region.size].tolist()))
     return b"".join(out)
+
+
+def run_over_store(
+    target: Any, world: int, tmp_path: Any, *extra: Any, timeout_s: float = 180
+) -> list[dict[str, Any]]:
+    """``target(rank, store, rendezvous, *extra, results)`` in ``world`` processes; the
+    payloads by rank, after checking that no rank reported an error."""
+    store = str(tmp_path / "store")
+    os.makedirs(store, exist_ok=True)
+    args = (store, str(tmp_path / "rendezvous"), *extra)
+    out = run_ranks(target, world, args, timeout_s=timeout_s)
+    for payload in out:
+        assert "error" not in payload, payload["error"]
+    return out
+
+
+class StripedRank:
+    """One of two rank processes over gloo: DeepSeek-V3.2's pages at TP=2 (every byte
+    replicated on both ranks), a connector over the group with ``stripe_reads``, and
+    ``blocks`` saved from slots 0, 1, ... and then zeroed in the pools."""
+
+    WORLD = 2
+
+    def __init__(
+        self, rank: int, path: str, rendezvous: str, blocks: list[bytes], **config: Any
+    ) -> None:
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.group = gloo_group(rank, self.WORLD, rendezvous)
+        self.coord = dist.new_group([0, 1])  # the test's own barrier: never kvconn's group
+        self.layout = get_preset("deepseek-v3.2").layout(self.WORLD, 2, 16, 32)
+        self.pools = [torch.zeros(n, dtype=torch.uint8) for n in self.layout.pool_sizes]
+        settings = {"model": "m", "backend": "lmdb", "options": {"path": path}}
+        settings |= {"retry_interval_s": 0, "stripe_reads": True} | config
+        self.conn = Connector(
+            ConnectorConfig.from_dict(settings),
+            self.layout,
+            rank=rank,
+            pools=self.pools,
+            group=self.group,
+        )
+        for slot, h in enumerate(blocks):
+            compute_block(self.layout, rank, self.pools, h, slot)
+        assert self.conn.save(blocks, list(range(len(blocks)))).ok
+        self.barrier()
+        self.clear()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.coord)
+
+    def clear(self) -> None:
+        for pool in self.pools:
+            pool.zero_()
+
+    def untouched(self) -> bool:
+        return all(not bool(pool.any()) for pool in self.pools)
+
+    def verified(self, hashes: list[bytes], slots: list[int]) -> bool:
+        return all(
+            verify_block(self.layout, self.rank, self.pools, h, s) == 0
+            for h, s in zip(hashes, slots)
+        )
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.conn.close()
+        dist.destroy_process_group()

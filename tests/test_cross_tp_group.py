@@ -20,10 +20,10 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.hashing import block_hashes
 from kvconn.layout import KvLayout
-from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import gloo_group
 from kvconn.tools.models import get_preset
 from kvconn.tools.simulate.synth import Synth
+from tests.helpers import run_over_store
 
 pytestmark = pytest.mark.slow
 
@@ -102,9 +102,7 @@ def test_a_tp2_group_stripes_its_load_of_head_shards_a_tp1_rank_wrote(tmp_path):
     _compute(layout, 0, pool, [0, 1, 2, 3, 4])
     with Connector(_config(store), layout, rank=0, pools=[pool]) as writer:
         assert writer.save(HASHES, [0, 1, 2, 3, 4]).written == 5 * (G + 1)  # pages
-    out = run_ranks(_reader, 2, (store, str(tmp_path / "rendezvous")), timeout_s=180)
-    for payload in out:
-        assert "error" not in payload, payload["error"]
+    out = run_over_store(_reader, 2, tmp_path)
     blocks = len(HASHES)
     assert [(p["hit"], p["loaded"], p["holds"]) for p in out] == [(blocks, blocks, True)] * 2
     # each rank reads its own four head shards; the index-K page leaves the store once
@@ -148,11 +146,7 @@ def _checker(rank: int, path: str, rendezvous: str, diverged: bool, results: Any
 def test_replica_checks_compare_the_replicated_page_behind_head_shards(tmp_path, diverged):
     """With ``shard_heads`` a rank holds several K/V pages per block before its index-K
     page: the check must still compare the index-K bytes, not a head shard's."""
-    store = str(tmp_path / "store")
-    os.makedirs(store)
-    out = run_ranks(_checker, 2, (store, str(tmp_path / "rendezvous"), diverged), timeout_s=180)
-    for payload in out:
-        assert "error" not in payload, payload["error"]
+    out = run_over_store(_checker, 2, tmp_path, diverged)
     blocks = len(HASHES)
     if diverged:
         assert [p["per_rank"] for p in out] == [("lg0/replicated",)] * 2

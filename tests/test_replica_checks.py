@@ -10,7 +10,6 @@ wrote itself (misses, never another rank's bytes).
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -25,11 +24,11 @@ from kvconn.keys import page_key
 from kvconn.layout import KvLayout, shard_position
 from kvconn.lookup import Lookup, PageKeys
 from kvconn.results import LoadResult
-from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import expected_bytes, gloo_group
 from kvconn.tools.models import get_preset
 from kvconn.transfer import TransferService
 from tests.fakes import DictBackend
+from tests.helpers import run_over_store
 
 pytestmark = pytest.mark.slow
 
@@ -145,12 +144,7 @@ class _Rank:
 
 
 def _run(target: Any, world: int, tmp_path: Any) -> list[dict[str, Any]]:
-    store = str(tmp_path / "store")
-    os.makedirs(store, exist_ok=True)
-    out = run_ranks(target, world, (store, str(tmp_path / "rendezvous")), timeout_s=240)
-    for payload in out:
-        assert "error" not in payload, payload["error"]
-    return out
+    return run_over_store(target, world, tmp_path, timeout_s=240)
 
 
 def _loaded(transfer: Any) -> LoadResult:

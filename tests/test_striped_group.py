@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError
 from kvconn.hashing import block_hashes
 from kvconn.results import LoadResult
 from kvconn.testing.ranks import run_ranks
-from kvconn.testing.tpgroup import compute_block, gloo_group, verify_block
+from kvconn.testing.tpgroup import gloo_group
 from kvconn.tools.models import get_preset
 from kvconn.transfer import TransferService
+from tests.helpers import StripedRank, run_over_store
 
 pytestmark = pytest.mark.slow
 
@@ -38,56 +38,9 @@ def _layout() -> Any:
     return get_preset("deepseek-v3.2").layout(WORLD, 2, 16, 32)
 
 
-class _Rank:
+def _Rank(rank: int, path: str, rendezvous: str) -> StripedRank:
     """One rank: its pools, a connector over the group, blocks A and B saved."""
-
-    def __init__(self, rank: int, path: str, rendezvous: str) -> None:
-        import torch.distributed as dist
-
-        self.rank = rank
-        self.group = gloo_group(rank, WORLD, rendezvous)
-        self.coord = dist.new_group([0, 1])  # the test's own barrier: never kvconn's group
-        self.layout = _layout()
-        self.pools = [torch.zeros(n, dtype=torch.uint8) for n in self.layout.pool_sizes]
-        config = ConnectorConfig.from_dict(
-            {
-                "model": "m",
-                "backend": "lmdb",
-                "options": {"path": path},
-                "retry_interval_s": 0,
-                "stripe_reads": True,
-            }
-        )
-        self.conn = Connector(config, self.layout, rank=rank, pools=self.pools, group=self.group)
-        for slot, h in enumerate(A + B):
-            compute_block(self.layout, rank, self.pools, h, slot)
-        assert self.conn.save(A + B, list(range(8))).ok
-        self.barrier()
-        self.clear()
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier(group=self.coord)
-
-    def clear(self) -> None:
-        for pool in self.pools:
-            pool.zero_()
-
-    def untouched(self) -> bool:
-        return all(not bool(pool.any()) for pool in self.pools)
-
-    def verified(self, hashes: list[bytes], slots: list[int]) -> bool:
-        return all(
-            verify_block(self.layout, self.rank, self.pools, h, s) == 0
-            for h, s in zip(hashes, slots)
-        )
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        self.conn.close()
-        dist.destroy_process_group()
+    return StripedRank(rank, path, rendezvous, A + B)
 
 
 def _loaded(transfer: Any) -> LoadResult:
@@ -97,12 +50,7 @@ def _loaded(transfer: Any) -> LoadResult:
 
 
 def _run(target: Any, tmp_path: Any, *extra: Any) -> list[dict[str, Any]]:
-    store = str(tmp_path / "store")
-    os.makedirs(store, exist_ok=True)
-    out = run_ranks(target, WORLD, (store, str(tmp_path / "rendezvous"), *extra), timeout_s=180)
-    for payload in out:
-        assert "error" not in payload, payload["error"]
-    return out
+    return run_over_store(target, WORLD, tmp_path, *extra)
 
 
 # ------------------------------------------------------------------ different blocks

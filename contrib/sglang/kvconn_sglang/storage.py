@@ -15,7 +15,11 @@ What kvconn changes compared with SGLang's own backends:
   (SGLang then takes the MIN over ranks, which can only agree with it);
 * the writer of a duplicated page is spread over its replicas by the block hash when
   SGLang lets every rank save (MHA). Where SGLang saves from one rank only (MLA: the
-  controller skips every other rank's backups), that rank writes every page it holds.
+  controller skips every other rank's backups), that rank writes every page it holds;
+* with ``stripe_reads``, a page several ranks hold is read once per TP group and passed
+  over a gloo group of kvconn's own. SGLang's ranks may each skip a load (a terminated
+  prefetch), so loads are agreed round by round first (:mod:`kvconn.rounds`), and one
+  no other rank makes is read by its rank alone.
 
 SGLang's hybrid controller also moves side pools through its v2 calls (``batch_*_v2``,
 one :class:`PoolTransfer` per pool): DeepSeek-V3.2's DSA indexer, registered with
@@ -68,6 +72,7 @@ from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT
 from kvconn.plan import WriterPolicy, plan_pages
 from kvconn.results import Outcome
+from kvconn.rounds import LoadRounds
 from kvconn.transfer import Transfer, TransferService
 from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_units, page_slots
 from kvconn_sglang.settings import AdapterSettings, engine_model
@@ -91,8 +96,13 @@ class KvconnHiCacheStorage(HiCacheStorage):
         #: Whether SGLang has every TP rank save (else only the writer ranks do, and
         #: each of them must write every page it holds).
         self.every_rank_saves = _every_rank_saves(storage_config)
+        #: kvconn's own group over this rank's TP ranks when reads are striped (made
+        #: here, on every rank alike: creating a group is collective over the world).
+        self.group = _striping_group(storage_config, self.settings.connector.stripe_reads)
         self.connector: Connector | None = None
         self.transfers: TransferService | None = None
+        #: Striped loads, agreed round by round (loads go through it when it is set).
+        self.rounds: LoadRounds | None = None
         self.page_size = 0
         #: The layer group of each pool SGLang names in its calls (``kv`` is group 0).
         self.pool_groups: dict[str, int] = {}
@@ -161,6 +171,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
             except (ConfigError, LayoutError) as exc:
                 label = f"{self._split_label(units)} (kvconn shard_heads={shard_heads})"
                 raise type(exc)(f"{label}: {exc}") from exc
+        if self.group is not None:  # the rounds own the group: no collectives at saves
+            config = dataclasses.replace(config, verify_replicas_every=0)
         self.close()
         self.connector = Connector(
             config,
@@ -168,8 +180,11 @@ class KvconnHiCacheStorage(HiCacheStorage):
             rank=self.storage_config.tp_rank,
             pools=[shape.kv_buffer, *(pool.kv_buffer for pool in side_pools)],
             backend=backend,
+            group=self.group,
         )
         self.transfers = TransferService(self.connector)
+        if self.group is not None:
+            self.rounds = LoadRounds(self.connector)
         self.page_size = shape.page_size
         self.pool_groups = {str(PoolName.KV): 0} | {
             pool.name: group for group, pool in enumerate(side_pools, start=1)
@@ -188,6 +203,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
             f" cut at shard_heads={shard_heads}" if shard_heads is not None else "",
             "spread over replicas" if self.every_rank_saves else "this rank writes all",
         )
+        if self.group is not None:
+            log.info("kvconn HiCache storage: shared pages are read once per TP group")
 
     def _kv_units(self, shape: HostPoolShape) -> int:
         tp = self.storage_config.tp_size
@@ -284,6 +301,15 @@ class KvconnHiCacheStorage(HiCacheStorage):
         policy = None if self.every_rank_saves else WriterPolicy.ALL
         return service.save(adopt_hashes(HASH_SCHEME, keys), slots, writer_policy=policy)
 
+    def _load_agreed(
+        self, rounds: LoadRounds, keys: list[str], host_indices: torch.Tensor, group: int
+    ) -> list[bool]:
+        """A load over the group: striped where every rank makes it (:mod:`kvconn.rounds`:
+        SGLang's I/O threads may each skip batches), else read by this rank alone."""
+        slots = self._slots(group, host_indices, len(keys))
+        result = rounds.load(adopt_hashes(HASH_SCHEME, keys), slots)
+        return [i < result.loaded for i in range(len(keys))]
+
     @staticmethod
     def _loaded(service: TransferService, transfer: Transfer) -> list[bool]:
         """Per page, whether it arrived; a load past its deadline is cancelled first, so
@@ -323,6 +349,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
         """Load KV pages into their host slots; the first failure and all after it are False."""
         if not keys:
             return []
+        if self.rounds is not None:
+            return self._load_agreed(self.rounds, keys, host_indices, 0)
         service = self._service()
         return self._loaded(service, self._start_load(service, keys, host_indices, 0))
 
@@ -381,8 +409,16 @@ class KvconnHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> dict[str, list[bool]]:
         """Load each transfer's pages into its pool; per pool, per page, whether it arrived
-        (the first failure and all after it are False). The pools load concurrently."""
+        (the first failure and all after it are False). The pools load concurrently,
+        or one after another when reads are striped."""
         service = self._service()
+        if self.rounds is not None:
+            rounds = self.rounds
+            return {t.name: [] for t in transfers} | {
+                t.name: self._load_agreed(rounds, t.keys, t.host_indices, self._group_of(t.name))
+                for t in transfers
+                if t.keys
+            }
         started = [
             (t.name, self._start_load(service, t.keys, t.host_indices, self._group_of(t.name)))
             for t in transfers
@@ -447,6 +483,9 @@ class KvconnHiCacheStorage(HiCacheStorage):
         A service thread still inside a stalled backend call after the deadline keeps the
         backend open (closing it under the call could crash a native client).
         """
+        if self.rounds is not None:
+            self.rounds.close()
+            self.rounds = None
         if self.transfers is not None:
             clean = self.transfers.close()
             self.transfers = None
@@ -507,6 +546,46 @@ def tp_lcm_shards(tp_lcm_size: int, tp_size: int, kv_heads: int) -> int:
             "head count, or one at least as large"
         )
     return shards
+
+
+def _striping_group(config: HiCacheStorageConfig, stripe_reads: bool) -> Any:
+    """kvconn's own gloo group over this rank's TP ranks, or None (no striping, TP=1).
+
+    Its own, not SGLang's: kvconn's rounds run on a thread of their own, and collectives
+    from two threads on one group could interleave differently on different ranks. The
+    ranks are those of SGLang's attention TP group (with DP attention) or TP group,
+    whichever has the storage config's TP size; without SGLang's parallel state (the
+    controller driven by hand), a world of exactly the TP size is the TP group.
+    """
+    if not stripe_reads or config.tp_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(
+            "stripe_reads at TP>1 needs torch.distributed initialized (SGLang's TP group), "
+            "and it is not; set stripe_reads = false"
+        )
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_parallel
+
+    ranks: list[int] | None = None
+    for name in ("attn_tp_group", "tp_group"):
+        try:
+            coordinator = getattr(get_parallel(), name)
+        except (AssertionError, AttributeError, RuntimeError, ValueError):  # not built
+            continue
+        if coordinator is not None and coordinator.world_size == config.tp_size:
+            ranks = list(coordinator.ranks)
+            break
+    if ranks is None and dist.get_world_size() == config.tp_size:
+        ranks = list(range(config.tp_size))
+    if ranks is None:
+        raise ConfigError(
+            f"stripe_reads: found no group of SGLang's TP size {config.tp_size} (neither "
+            "its attention TP group nor its TP group); set stripe_reads = false"
+        )
+    return parallel_state.create_custom_parallel_group(group_ranks=ranks, backend="gloo")
 
 
 def _every_rank_saves(config: HiCacheStorageConfig) -> bool:

@@ -72,6 +72,9 @@ class Case:
     #: Called on every rank after the hit query and before the pages are read, with
     #: (rank, storage backend, page hashes); the ranks meet at a barrier after it.
     between_hit_and_get: Callable[[int, Any, list[str]], None] | None = None
+    #: A rank whose scheduler terminates the prefetch before its I/O thread reads a page:
+    #: that rank's I/O thread skips every batch, the other's reads them.
+    terminated_on: int | None = None
 
     @property
     def global_kv_heads(self) -> int:
@@ -444,6 +447,8 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         dist.barrier()
         target = host.alloc(hit)
         op.host_indices = target
+        if case.terminated_on == rank:
+            op.mark_terminate()
         controller.prefetch_buffer.put(op)
         completed = 0
         while True:
@@ -472,6 +477,9 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             result["late_registration"] = _late_registration(storage, pools.indexer)
         connector = getattr(storage, "connector", None)
         result["kvconn"] = connector.stats.snapshot() if connector is not None else None
+        rounds = getattr(storage, "rounds", None)
+        if rounds is not None:
+            result["rounds"] = {"striped": rounds.striped, "handed_back": rounds.handed_back}
         if connector is not None:
             result["first_page_keys"] = _first_page_keys(connector, hashes[0])
     finally:

@@ -155,6 +155,24 @@ def test_parallel_shapes_the_adapter_would_key_wrongly_are_refused_at_start(fiel
         KvconnHiCacheStorage(storage_config(**fields))
 
 
+def test_stripe_reads_without_a_tp_group_to_stripe_over_is_refused_at_start(tmp_path):
+    import torch.distributed as dist
+
+    striped = V1 | {"kvconn": {"backend": "lmdb", "stripe_reads": True}}
+    with pytest.raises(ConfigError, match=r"stripe_reads at TP>1 needs torch\.distributed"):
+        KvconnHiCacheStorage(storage_config(extra_config=striped))
+    # a world of one process cannot be SGLang's TP group of two
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rv'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="no group of SGLang's TP size 2"):
+            KvconnHiCacheStorage(storage_config(extra_config=striped))
+    finally:
+        dist.destroy_process_group()
+    # at TP=1 there is nothing to stripe: no group, no rounds
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1, extra_config=striped))
+    assert storage.group is None and storage.rounds is None
+
+
 #: SGLang 0.5.23's MHA host buffers (MHATokenToKVPoolHost.init_kv_buffer), by layout:
 #: the dimension of KV heads, and how a page's tokens or index select its part.
 MHA_HEADS_DIM = {"layer_first": 3, "page_first": 3, "page_first_direct": 4, "page_head": 2}

@@ -24,20 +24,22 @@ PAGES = 6
 DSA_PAGE = 64
 
 
-def extra_config(store: Path, **more: Any) -> dict[str, Any]:
+def extra_config(store: Path, *, stripe: bool = False, **more: Any) -> dict[str, Any]:
+    kvconn = {"model": "test/model@rev", "backend": "lmdb", "options": {"path": str(store)}}
     return {
         "backend_name": "kvconn",
         "module_path": "kvconn_sglang",
         "class_name": "KvconnHiCacheStorage",
         "interface_v1": 1,
-        "kvconn": {"model": "test/model@rev", "backend": "lmdb", "options": {"path": str(store)}},
+        "kvconn": kvconn | ({"stripe_reads": True} if stripe else {}),
         **more,
     }
 
 
 def _cases(root: Path) -> dict[str, Case]:
-    def case(name: str, **kw: Any) -> Case:
-        return Case(name, pages=PAGES, extra_config=extra_config(root / name), **kw)
+    def case(name: str, *, stripe: bool = False, **kw: Any) -> Case:
+        config = extra_config(root / name, stripe=stripe)
+        return Case(name, pages=PAGES, extra_config=config, **kw)
 
     return {
         c.name: c
@@ -56,6 +58,12 @@ def _cases(root: Path) -> dict[str, Case]:
             # one KV head for the model at TP=2: both ranks hold the same K/V
             case("gqa-duplicated", heads=1, kv_heads=1),
             case("mla-layer-first", model="mla"),
+            # reads striped over kvconn's own gloo group: each shared page read once
+            case("gqa-duplicated-striped", heads=1, kv_heads=1, stripe=True),
+            case("mla-striped", model="mla", stripe=True),
+            # rank 1's scheduler terminates the prefetch first: its I/O thread skips
+            # every batch, so rank 0 must read the pages alone, not wait for rank 1
+            case("mla-striped-rank-1-skips", model="mla", stripe=True, terminated_on=1),
             case("mla-page-first", model="mla", layout="page_first"),
             # after the hit query, the page of block 3 that only rank 1 loads disappears
             case("evicted-after-lookup", between_hit_and_get=EvictPage(3, f"w{WORLD}r1")),
@@ -123,6 +131,8 @@ ALL_LOADED = [
     "gqa-duplicated",
     "mla-layer-first",
     "mla-page-first",
+    "gqa-duplicated-striped",
+    "mla-striped",
 ]
 
 
@@ -170,6 +180,37 @@ def test_mla_pages_saved_by_rank_0_alone_are_all_written_once(runs, name):
     assert written(rank1) == 0
     assert written(rank0) == PAGES
     assert stored_pages(runs, name) == {"replicated": PAGES}
+
+
+def read_pages(rank_result: dict[str, Any], event: str = "store_read") -> int:
+    return int(rank_result["kvconn"]["total"].get(event, {}).get("pages", 0))
+
+
+STRIPED_TWINS = [("gqa-duplicated-striped", "gqa-duplicated"), ("mla-striped", "mla-layer-first")]
+
+
+@pytest.mark.parametrize(("name", "twin"), STRIPED_TWINS)
+def test_with_stripe_reads_the_group_reads_each_shared_page_once(runs, name, twin):
+    """Both ranks hold every page: unstriped, each reads all of them; striped, the two
+    together read each once and pass the other half over kvconn's group."""
+    unstriped = [read_pages(r) for r in runs[twin]]
+    assert unstriped == [PAGES, PAGES]
+    striped = [read_pages(r) for r in runs[name]]
+    assert sum(striped) == PAGES and all(n > 0 for n in striped), striped
+    for r in runs[name]:
+        assert read_pages(r) + read_pages(r, "group_received") == PAGES
+        assert r["rounds"] == {"striped": 1, "handed_back": 0}
+
+
+def test_a_rank_that_skips_a_striped_load_leaves_the_other_reading_alone_not_hanging(runs):
+    rank0, rank1 = runs["mla-striped-rank-1-skips"]
+    # rank 1 never called batch_get_v1; rank 0 read every page itself, all verified
+    assert rank1["rounds"] == {"striped": 0, "handed_back": 0} and read_pages(rank1) == 0
+    assert rank0["rounds"] == {"striped": 0, "handed_back": 1}
+    assert read_pages(rank0) == PAGES and read_pages(rank0, "loaded") == PAGES
+    # SGLang's MIN over ranks: the terminated rank completed nothing, so neither did
+    for r in (rank0, rank1):
+        assert r["loaded_tokens"] == 0
 
 
 def test_a_page_evicted_between_exists_and_get_is_a_failed_load_on_every_rank(runs):
