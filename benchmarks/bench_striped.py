@@ -1,5 +1,8 @@
 """Striped against unstriped loads at TP=8: bytes read from the store and load time.
 
+(And striped loads agreed round by round first, ``kvconn.rounds``, as the SGLang adapter
+makes them: ``rounds``.)
+
 Eight rank processes form a gloo group (as an engine's TP ranks would hand kvconn
 theirs). Each rank holds two connectors over the same store: one with the group
 (striped: a page several ranks hold is read once per group and passed over gloo), one
@@ -10,7 +13,11 @@ rank), each load started after a barrier. Reported per model and store:
 * bytes read from the store per loaded block, summed over the group, with and without
   striping, and the block's unique bytes (every distinct page once: the target);
 * the group's load time (the slowest rank's, median over trials) and the median of the
-  per-trial ratios striped / unstriped, with their 25th-75th percentiles.
+  per-trial ratios striped / unstriped, with their 25th-75th percentiles;
+* the same load through :class:`kvconn.rounds.LoadRounds` (over a gloo group of its
+  own, its connector checking no replicas), the median ratio rounds / striped, and what
+  idle rounds cost: the CPU each rank's process spends per second while the rounds run
+  with no load (``idle CPU``, a share of one core; measured over 2 s after the trials).
 
 Every load must load every block, and the last one of each kind is verified byte for
 byte. Stores: a redis-server and a Mooncake master with one storage process, started
@@ -44,6 +51,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.hashing import block_hashes
 from kvconn.lookup import PageKeys
+from kvconn.rounds import LoadRounds
 from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import compute_block, gloo_group, verify_block
 from kvconn.tools.devserver.mooncake import MooncakeCluster
@@ -53,7 +61,9 @@ from kvconn.tools.models import get_preset
 MiB = 2**20
 MODELS = ("minimax-m3", "qwen3-235b-a22b", "deepseek-v3.2")
 BACKENDS = ("lmdb", "redis", "mooncake")
-KINDS = ("unstriped", "striped")
+KINDS = ("unstriped", "striped", "rounds")
+#: Seconds the rounds run with no load, to measure what an idle group costs.
+IDLE_S = 2.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,6 +105,14 @@ def _rank(
                 {**config, "stripe_reads": True}, layout, rank=rank, pools=pools, group=group
             ),
             "unstriped": Connector(config, layout, rank=rank, pools=pools),
+            # the rounds' thread runs collectives on its own: a group of its own
+            "rounds": Connector(
+                {**config, "stripe_reads": True, "verify_replicas_every": 0},
+                layout,
+                rank=rank,
+                pools=pools,
+                group=dist.new_group(list(range(tp))),
+            ),
         }
         assert conns["unstriped"].save(hashes, list(range(blocks))).ok
         dist.barrier(group=coord)
@@ -102,6 +120,7 @@ def _rank(
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         read: dict[str, int] = dict.fromkeys(KINDS, 0)
         bad = 0
+        handed_back = 0  # loads the rounds gave up striping (a rank too late): read alone
         for trial in range(opts["trials"] + 1):  # the first is a warm-up
             order = list(KINDS)
             random.Random(trial).shuffle(order)  # the same order on every rank
@@ -111,9 +130,14 @@ def _rank(
                     pool[pool.numel() // 2 :].zero_()
                 dist.barrier(group=coord)
                 before = conn.stats.bytes("store_read")
+                # rounds run only around their own load: idle rounds take CPU
+                rounds = LoadRounds(conn) if kind == "rounds" else None
                 start = time.perf_counter()
-                result = conn.load(hashes, slots)
+                result = conn.load(hashes, slots) if rounds is None else rounds.load(hashes, slots)
                 elapsed = time.perf_counter() - start
+                if rounds is not None:
+                    rounds.close()
+                    handed_back += rounds.handed_back
                 assert result.loaded == blocks, (kind, result)
                 if trial:
                     times[kind].append(elapsed)
@@ -122,7 +146,14 @@ def _rank(
                     bad += sum(
                         verify_block(layout, rank, pools, h, s) for h, s in zip(hashes, slots)
                     )
-        payload = {"times": times, "read": read, "bad": bad}
+        dist.barrier(group=coord)
+        rounds = LoadRounds(conns["rounds"])
+        cpu = time.process_time()
+        time.sleep(IDLE_S)
+        idle_cpu = (time.process_time() - cpu) / IDLE_S
+        rounds.close()
+        payload = {"times": times, "read": read, "bad": bad, "idle_cpu": idle_cpu}
+        payload["handed_back"] = handed_back
         for conn in conns.values():
             conn.close()
         dist.destroy_process_group()
@@ -150,6 +181,8 @@ def measure(model: str, config: dict[str, Any], opts: dict[str, Any]) -> dict[st
             raise SystemExit(payload["error"])
     loads = opts["blocks"] * opts["trials"]
     row: dict[str, Any] = {"bad": sum(p["bad"] for p in out)}
+    row["idle_cpu"] = statistics.median(p["idle_cpu"] for p in out)
+    row["handed_back"] = sum(p["handed_back"] for p in out)
     for kind in KINDS:
         # a load takes as long as its slowest rank (every rank started at a barrier)
         per_trial = [max(p["times"][kind][i] for p in out) for i in range(opts["trials"])]
@@ -162,6 +195,9 @@ def measure(model: str, config: dict[str, Any], opts: dict[str, Any]) -> dict[st
         s / u for s, u in zip(row["striped"]["per_trial"], row["unstriped"]["per_trial"])
     ]
     row["time_ratio"] = statistics.median(ratios)
+    row["rounds_ratio"] = statistics.median(
+        r / s for r, s in zip(row["rounds"]["per_trial"], row["striped"]["per_trial"])
+    )
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     row["time_ratio_iqr"] = (quartiles[0], quartiles[2])
     return row
@@ -193,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"{'model':>16} {'store':>9} {'unique/blk':>11} {'read/blk':>10} {'striped':>10} "
-        f"{'ratio':>6} {'load ms':>9} {'striped':>9} {'ratio [p25-p75]':>17}"
+        f"{'ratio':>6} {'load ms':>9} {'striped':>9} {'ratio [p25-p75]':>17} "
+        f"{'rounds':>8} {'/striped':>8} {'idle CPU':>8}"
     )
     for backend in args.backend:
         with store(backend, opts) as options:
@@ -210,8 +247,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"{striped['read_per_block'] / plain['read_per_block']:>6.3f} "
                     f"{plain['seconds'] * 1000:>9.1f} {striped['seconds'] * 1000:>9.1f} "
                     f"{row['time_ratio']:>6.2f} [{row['time_ratio_iqr'][0]:.2f}-"
-                    f"{row['time_ratio_iqr'][1]:.2f}]"
-                    + ("" if row["bad"] == 0 else f"   {row['bad']} REGIONS DIFFER"),
+                    f"{row['time_ratio_iqr'][1]:.2f}] "
+                    f"{row['rounds']['seconds'] * 1000:>8.1f} {row['rounds_ratio']:>8.2f} "
+                    f"{row['idle_cpu']:>8.1%}"
+                    + ("" if row["bad"] == 0 else f"   {row['bad']} REGIONS DIFFER")
+                    + (f"   {row['handed_back']} read alone" if row["handed_back"] else ""),
                     flush=True,
                 )
 

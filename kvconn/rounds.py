@@ -28,9 +28,11 @@ rank is making. A collective load there would wait for that rank forever.
    (each gave up on the other's head in the same round) are back in step after one
    round, not one ``patience_s`` per load.
 
-Rounds with no load anywhere are paced ``idle_s`` apart: a load handed over waits at
-most about that long for the other ranks' next round, and an idle group costs one
-small ``all_gather`` per ``idle_s`` on each rank. A collective that fails (a rank died)
+Rounds with no load anywhere are paced: 1 ms apart just after a load, twice as far
+apart after each idle round, up to ``idle_s`` (20 ms). A load handed over waits at most
+about the current pace for the other ranks' next round (loads come in bursts: a
+prefetch's batches follow each other), and a long-idle group costs one small
+``all_gather`` per ``idle_s`` on each rank. A collective that fails (a rank died)
 ends the rounds; every load is then read per rank.
 
 The rounds' thread is the only one that uses the connector's group: a replica check
@@ -65,6 +67,8 @@ CLOSING = -1
 HISTORY = 8
 #: How long a round waits before the next while ranks hold different heads.
 _MISMATCH_PAUSE_S = 0.001
+#: The pace of idle rounds just after a load: doubled after each idle round.
+_FIRST_IDLE_PAUSE_S = 0.001
 
 
 @dataclass
@@ -81,7 +85,7 @@ class LoadRounds:
     """Agreed striped loads over a connector's TP group (module docstring)."""
 
     def __init__(
-        self, connector: Connector, *, patience_s: float = 0.1, idle_s: float = 0.005
+        self, connector: Connector, *, patience_s: float = 0.1, idle_s: float = 0.02
     ) -> None:
         if connector.group is None:
             raise ValueError("LoadRounds needs a connector built with a TP group (group=...)")
@@ -158,6 +162,7 @@ class LoadRounds:
         me = group.group_rank
         last: list[list[int]] | None = None
         since = time.monotonic()
+        idle_pause = _FIRST_IDLE_PAUSE_S
         while True:
             with self._cond:
                 job = self._queue[0] if self._queue else None
@@ -173,6 +178,7 @@ class LoadRounds:
                 last, since = gathered, now
             if job is not None and all(h == job.head for h in heads):
                 self._pop(job)
+                idle_pause = _FIRST_IDLE_PAUSE_S
                 self._alone.clear()  # the ranks are in step: what came before is settled
                 try:
                     job.result = self.connector.load(job.hashes, job.slots)
@@ -185,11 +191,15 @@ class LoadRounds:
                 or now - since >= self.patience_s
             ):
                 self._pop(job)
+                idle_pause = _FIRST_IDLE_PAUSE_S
                 self._alone.appendleft(job.head)
                 self.handed_back += 1
                 job.done.set()
                 continue
-            pause = self.idle_s if all(h == IDLE for h in heads) else _MISMATCH_PAUSE_S
+            if all(h == IDLE for h in heads):
+                pause, idle_pause = idle_pause, min(2 * idle_pause, self.idle_s)
+            else:
+                pause, idle_pause = _MISMATCH_PAUSE_S, _FIRST_IDLE_PAUSE_S
             with self._cond:
                 head = self._queue[0] if self._queue else None
                 if not self._closing and head is job:  # else the next round starts at once
