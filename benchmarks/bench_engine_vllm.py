@@ -30,6 +30,8 @@ Figures (``--figures``):
   inside       per request, time inside the connector's calls (lookup, load, save,
                completions; background transfers when the adapter has them), the first
                lookup of a fresh engine, and the load against a memcpy of its bytes
+               (for kvconn's background load: submit to finish, and its own work,
+               ``Connector.load_into``, without the queueing around it)
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
                --delay-ms to every call reaching the store (exists, put, get/read,
@@ -763,6 +765,7 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"lookup_{name}"] = window_sum(fresh, begin, end, LOOKUP_CALLS)
         out[f"finished_{name}"] = window_sum(fresh, begin, end, FINISHED_CALLS)
         out[f"load_background_{name}"] = window_sum(fresh, begin, end, ("transfer_load",))
+        out[f"load_work_{name}"] = window_sum(fresh, begin, end, ("load_work",))
         out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
     memcpy = [r for r in fresh.records if r["m"] == "memcpy"]
     if memcpy:
@@ -1121,6 +1124,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         fmt(memcpy, 1000, 2),
                         ratio(load, memcpy),
                         ratio(m("inside", tp, c, "load_background_repeat"), memcpy),
+                        ratio(m("inside", tp, c, "load_work_repeat"), memcpy),
                     ]
                 )
             if not rows:
@@ -1142,6 +1146,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         "memcpy",
                         "load/memcpy",
                         "load bg/memcpy",
+                        "load work/memcpy",
                     ],
                     rows,
                 )
@@ -1150,8 +1155,10 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 "  Calls on the engine's threads, summed over the request. A connector that moves"
                 " bytes on threads of its own (MooncakeStoreConnector) shows the hand-off here and"
                 " its wait in TTFT; kvconn's background transfers, when its adapter uses them,"
-                " are the bg columns (submit to finish). 1st lookup: the fresh engine's first"
-                " hit, after a warm-up too short to reach any store."
+                " are the bg columns (submit to finish); load work is kvconn's load itself"
+                " (read, verify, scatter) without the queueing and hand-off around it. 1st"
+                " lookup: the fresh engine's first hit, after a warm-up too short to reach any"
+                " store."
             )
             for kv in ("kvconn-lmdb", "kvconn-redis"):
                 if f"inside/tp{tp}/{kv}" in results.samples and example["save"] is not None:
@@ -1161,7 +1168,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         f" load {ratio(mine['load_fresh'], example['load_fresh'])},"
                         f" lookup {ratio(mine['lookup_repeat'], example['lookup_repeat'])}"
                         " (targets <= 1; first lookup <= 5 ms; load/memcpy <= 2, for kvconn"
-                        " the bytes move in its background load: load bg/memcpy)"
+                        " the bytes move in its background load: load work/memcpy)"
                     )
     if "stall" in args.figures:
         for tp in args.tp:

@@ -226,6 +226,30 @@ def _time_background_transfers() -> None:
     cls._finish = _finish
 
 
+def _time_load_work() -> None:
+    """Record each kvconn load's own work (read, verify, scatter: ``Connector.load_into``
+    on the load thread), without the queueing and hand-off around it."""
+    try:
+        connector = importlib.import_module("kvconn.connector")
+    except ImportError:
+        return
+    cls = getattr(connector, "Connector", None)
+    load_into = getattr(cls, "load_into", None)
+    if cls is None or load_into is None or getattr(load_into, "_kvconn_bench", False):
+        return
+
+    @functools.wraps(load_into)
+    def _load_into(self: Any, hashes: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        try:
+            return load_into(self, hashes, *args, **kwargs)
+        finally:
+            record("load_work", start, time.monotonic() - start, role="worker", blocks=len(hashes))
+
+    _load_into._kvconn_bench = True  # type: ignore[attr-defined]
+    cls.load_into = _load_into
+
+
 def _note_modules() -> None:
     """Record where this process imported kvconn and its adapter from: the benchmark
     reports it, so a run shows which checkout it measured."""
@@ -240,6 +264,7 @@ def _note_modules() -> None:
 
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
+    _time_load_work()
     _note_modules()
 
 
