@@ -460,6 +460,17 @@ def test_the_map_is_read_ahead_only_while_values_are_copied(tmp_path):
     backend.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux /proc needed")
+def test_the_map_is_located_when_the_store_opens_not_at_the_first_load(tmp_path):
+    """Finding the map reads /proc/self/maps (about a millisecond in an engine's
+    process): at start-up, not on a fresh engine's first hit."""
+    backend = LmdbBackend(tmp_path)
+    shared = backend._shared
+    assert shared._map_known and shared._map is not None
+    assert shared._map[1] == shared.map_size
+    backend.close()
+
+
 _PUT_THEN_DIE = """
 import os, signal, sys
 from kvconn.registry import load_backend
