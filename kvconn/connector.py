@@ -606,7 +606,12 @@ class Connector:
 
     # ------------------------------------------------------------------ load
     def load(
-        self, block_hashes: Sequence[bytes], slots: Slots, *, stripe: bool = True
+        self,
+        block_hashes: Sequence[bytes],
+        slots: Slots,
+        *,
+        stripe: bool = True,
+        gate: Gate | None = None,
     ) -> LoadResult:
         """Load this rank's pages of a hit prefix into its slots.
 
@@ -614,11 +619,12 @@ class Connector:
         checksum; the first block that did not, and every block after it, are returned as
         failed and their slots are not written, so the engine recomputes exactly those.
         ``stripe=False`` reads every page this rank needs itself, even over a group
-        (:mod:`kvconn.rounds`: a load the other ranks are not making).
+        (:mod:`kvconn.rounds`: a load the other ranks are not making); ``gate`` as in
+        :meth:`load_into`.
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
         with self._staging.borrow() as staging:
-            return self.load_into(hashes, slots_, staging.take, stripe=stripe)
+            return self.load_into(hashes, slots_, staging.take, gate=gate, stripe=stripe)
 
     def stripes(self, slots: SlotMap) -> bool:
         """Whether a load into ``slots`` is striped over the group (so collective)."""

@@ -44,10 +44,11 @@ check replicas (``verify_replicas_every = 0``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvconn.connector import Connector
@@ -79,6 +80,25 @@ class _Load:
     done: threading.Event = field(default_factory=threading.Event)
     #: What the striped load did; None when handed back to be read per rank.
     result: LoadResult | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    scattered: int = 0  # blocks written into slots so far
+    cancelled: bool = False  # the caller gave up: nothing more reaches the slots
+
+    @contextlib.contextmanager
+    def gate(self, blocks: int) -> Iterator[bool]:
+        """Held while a chunk is scattered; yields whether it may be (not cancelled)."""
+        with self.lock:
+            allowed = not self.cancelled
+            yield allowed
+            if allowed:
+                self.scattered += blocks
+
+    def cancel(self) -> LoadResult:
+        """Give up: the blocks scattered so far are loaded, the rest failed."""
+        with self.lock:
+            self.cancelled = True
+            loaded = self.scattered
+        return LoadResult(loaded, tuple(range(loaded, len(self.hashes))))
 
 
 class LoadRounds:
@@ -112,11 +132,16 @@ class LoadRounds:
         self._thread.start()
 
     # ------------------------------------------------------------------ the caller's side
-    def load(self, block_hashes: Sequence[bytes], slots: Slots) -> LoadResult:
+    def load(
+        self, block_hashes: Sequence[bytes], slots: Slots, *, timeout_s: float | None = None
+    ) -> LoadResult:
         """Load blocks into slots: striped if every rank makes this load, else per rank.
 
         Blocks the caller's thread until the load is done; it is never left waiting for a
-        rank that skipped this load longer than about ``patience_s``.
+        rank that skipped this load longer than about ``patience_s``. A striped load not
+        done after ``timeout_s`` is given up: the blocks scattered so far are loaded, the
+        rest failed, and nothing more reaches the slots (the load still runs with the
+        other ranks, who are making it).
         """
         conn = self.connector
         hashes, slots_ = conn.check_transfer(block_hashes, slots)
@@ -129,7 +154,8 @@ class LoadRounds:
                 self._queue.append(job)
                 self._cond.notify_all()
         if queued:
-            job.done.wait()
+            if not job.done.wait(timeout_s):
+                return job.cancel()
             if job.result is not None:
                 return job.result
         return conn.load(hashes, slots_, stripe=False)
@@ -181,7 +207,7 @@ class LoadRounds:
                 idle_pause = _FIRST_IDLE_PAUSE_S
                 self._alone.clear()  # the ranks are in step: what came before is settled
                 try:
-                    job.result = self.connector.load(job.hashes, job.slots)
+                    job.result = self.connector.load(job.hashes, job.slots, gate=job.gate)
                     self.striped += 1
                 finally:
                     job.done.set()

@@ -118,6 +118,54 @@ def test_a_load_another_rank_skipped_is_read_per_rank_and_the_ranks_get_back_in_
     assert zero["c_reads"] + one["c_reads"] == zero["pages"]
 
 
+def _given_up_while_striped(rank: int, path: str, rendezvous: str, results: Any) -> None:
+    try:
+        r = _Rank(rank, path, rendezvous)
+        striped = r.conn._striped
+        assert striped is not None
+        if rank == 1:  # rank 1 is slow to join: rank 0's caller gives up meanwhile
+            chunk = striped.chunk
+
+            def slow_chunk(*args: Any, **kwargs: Any) -> Any:
+                time.sleep(1.5)
+                return chunk(*args, **kwargs)
+
+            striped.chunk = slow_chunk  # type: ignore[method-assign]
+        started = time.monotonic()
+        a = r.rounds.load(A, SLOTS_A, timeout_s=0.3 if rank == 0 else None)
+        waited = time.monotonic() - started
+        deadline = time.monotonic() + 30
+        while r.rounds.striped < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the given-up load runs to its end with rank 1
+        untouched = all(not bool(pool.any()) for pool in r.pools)
+        r.barrier()
+        if rank == 1:
+            striped.chunk = chunk  # type: ignore[method-assign]
+        b = r.rounds.load(B, SLOTS_B)
+        payload = {
+            "a": (a.loaded, a.failed),
+            "waited_s": waited,
+            "untouched": untouched,
+            "a_verified": r.verified(A, SLOTS_A),
+            "b": b.loaded,
+            "b_verified": r.verified(B, SLOTS_B),
+        }
+        results.put((rank, payload | r.close()))
+    except BaseException:
+        results.put((rank, {"error": traceback.format_exc()}))
+
+
+def test_a_striped_load_given_up_after_its_timeout_writes_nothing_more(tmp_path):
+    zero, one = _run(_given_up_while_striped, tmp_path)
+    # rank 0 stops waiting at its timeout, with nothing scattered: every block failed
+    assert zero["a"] == (0, (0, 1, 2, 3)) and zero["waited_s"] < 1.4
+    # the load still ran with rank 1, who was making it; rank 0's slots got no byte of it
+    assert zero["untouched"]
+    assert one["a"] == (4, ()) and one["a_verified"]
+    for p in (zero, one):
+        assert p["b"] == 4 and p["b_verified"] and p["striped"] == 2 and p["ended"]
+
+
 def _close_while_other_idles(rank: int, path: str, rendezvous: str, results: Any) -> None:
     try:
         r = _Rank(rank, path, rendezvous)

@@ -307,7 +307,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
         """A load over the group: striped where every rank makes it (:mod:`kvconn.rounds`:
         SGLang's I/O threads may each skip batches), else read by this rank alone."""
         slots = self._slots(group, host_indices, len(keys))
-        result = rounds.load(adopt_hashes(HASH_SCHEME, keys), slots)
+        timeout_s = rounds.connector.config.load_timeout_s  # as the service's loads
+        result = rounds.load(adopt_hashes(HASH_SCHEME, keys), slots, timeout_s=timeout_s)
         return [i < result.loaded for i in range(len(keys))]
 
     @staticmethod
