@@ -72,7 +72,7 @@ _MISMATCH_PAUSE_S = 0.001
 _FIRST_IDLE_PAUSE_S = 0.001
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the queue's head is this very load
 class _Load:
     hashes: list[bytes]
     slots: SlotMap
