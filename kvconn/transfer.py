@@ -57,7 +57,7 @@ from kvconn.slots import SlotMap, Slots
 
 log = logging.getLogger("kvconn")
 
-__all__ = ["SaveRequest", "Transfer", "TransferService"]
+__all__ = ["LoadRequest", "SaveRequest", "Transfer", "TransferService"]
 
 Result = LoadResult | SaveResult
 
@@ -73,6 +73,15 @@ class SaveRequest:
     slots: Slots
     tag: Hashable = None
     writer_policy: WriterPolicy | str | None = None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load of a batch handed over together (:meth:`TransferService.load_many`)."""
+
+    block_hashes: Sequence[bytes]
+    slots: Slots
+    tag: Hashable = None
 
 
 class Transfer:
@@ -303,19 +312,37 @@ class TransferService:
         self, block_hashes: Sequence[bytes], slots: Slots, *, tag: Hashable = None
     ) -> Transfer:
         """Load these blocks into their slots in the background (see the module docstring)."""
+        return self.load_many([LoadRequest(block_hashes, slots, tag)])[0]
+
+    def load_many(self, requests: Sequence[LoadRequest]) -> list[Transfer]:
+        """Queue several loads (a step's) and wake the load threads once, after the last.
+
+        Woken after each, a load thread takes the GIL from the submitting (engine) thread
+        while it queues the rest: measured inside vLLM, 8 loads of one step kept the
+        engine's thread 5.5 ms in ``start_load_kv``. Arguments are checked first, for
+        every request: a bad one raises ``ArgumentError`` here, and nothing is queued.
+        """
         self._check_open()
-        hashes, slots_ = self.connector.check_transfer(block_hashes, slots)
-        transfer = Transfer("load", tag, len(hashes))
-        transfer._on_done = self._record
-        if not hashes:
-            transfer._finish(LoadResult(0))
-            return transfer
-        with self._cond:
-            self._open[id(transfer)] = transfer
-            self._queues.load.append(_LoadJob(transfer, hashes, slots_))
-            self._start_threads()
-            self._cond.notify_all()
-        return transfer
+        conn = self.connector
+        checked = [conn.check_transfer(r.block_hashes, r.slots) for r in requests]
+        transfers: list[Transfer] = []
+        jobs: list[_LoadJob] = []
+        for request, (hashes, slots) in zip(requests, checked):
+            transfer = Transfer("load", request.tag, len(hashes))
+            transfer._on_done = self._record
+            transfers.append(transfer)
+            if not hashes:
+                transfer._finish(LoadResult(0))
+            else:
+                jobs.append(_LoadJob(transfer, hashes, slots))
+        if jobs:
+            with self._cond:
+                for job in jobs:
+                    self._open[id(job.transfer)] = job.transfer
+                self._queues.load.extend(jobs)
+                self._start_threads()
+                self._cond.notify_all()
+        return transfers
 
     # ------------------------------------------------------------------ completion
     def finished(self) -> list[Transfer]:

@@ -19,7 +19,7 @@ from kvconn.keys import parse_manifest_key
 from kvconn.results import LoadResult, Outcome, SaveResult
 from kvconn.slots import slot_map
 from kvconn.tools.models import minimax_m3
-from kvconn.transfer import SaveRequest, Transfer, TransferService
+from kvconn.transfer import LoadRequest, SaveRequest, Transfer, TransferService
 from tests.fakes import DictBackend, GatedBackend
 from tests.helpers import slot_bytes, tp_group
 
@@ -176,6 +176,24 @@ def test_an_async_load_fills_the_slots_and_reports_every_block_loaded(services):
             assert slot_bytes(layout, r.pools, dst) == slot_bytes(layout, w.pools, src)
 
 
+def test_a_steps_loads_handed_over_together_each_fill_their_own_slots(services):
+    layout = minimax_m3(tp_size=1)
+    store = GatedBackend()
+    (writer,) = tp_group(layout, store)
+    writer.save(HASHES, SLOTS)
+    (reader,) = tp_group(layout, store, fill=False)
+    service = service_for(reader, services)
+    targets = [[20, 21], [40, 41, 42], []]
+    transfers = service.load_many(
+        [LoadRequest(HASHES[: len(t)], t, tag=i) for i, t in enumerate(targets)]
+    )
+    assert all(t.wait(10) for t in transfers)
+    assert [(t.tag, t.result.loaded) for t in transfers] == [(0, 2), (1, 3), (2, 0)]
+    for target in targets:
+        for src, dst in zip(SLOTS, target):
+            assert slot_bytes(layout, reader.pools, dst) == slot_bytes(layout, writer.pools, src)
+
+
 def test_an_async_load_of_evicted_pages_fails_those_blocks_and_leaves_their_slots(services):
     layout = minimax_m3(tp_size=1)
     store = GatedBackend()
@@ -314,6 +332,9 @@ def test_bad_arguments_are_refused_on_the_submitting_thread_before_anything_is_c
         service.save_many([SaveRequest(HASHES, SLOTS), SaveRequest(HASHES, SLOTS[:2])])
     with pytest.raises(ArgumentError):
         service.load(HASHES, [1, 1, 2, 3, 4, 5])
+    # a step's loads are checked together: one bad request queues none of them
+    with pytest.raises(ArgumentError):
+        service.load_many([LoadRequest(HASHES, SLOTS), LoadRequest(HASHES, SLOTS[:2])])
     assert service.in_flight == 0 and not pages(store)
 
 

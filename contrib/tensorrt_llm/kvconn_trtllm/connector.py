@@ -56,7 +56,7 @@ from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.layout import KvLayout
 from kvconn.lookup import DeadlineLookup, Lookup
-from kvconn.transfer import SaveRequest, TransferService
+from kvconn.transfer import LoadRequest, SaveRequest, TransferService
 from kvconn.transfer import Transfer as Handle
 from kvconn_trtllm.group import tp_group
 from kvconn_trtllm.layout import describe_pool
@@ -190,8 +190,9 @@ class KvconnWorker(KvCacheConnectorWorker):
                 "kvconn: KV blocks the scheduler found did not load (evicted or unreadable) "
                 f"for request(s) {sorted(meta.failed)}"
             )
-        for t in meta.loads:
-            self._loads[t.request_id] = service.load(t.hashes, t.block_ids, tag=t.request_id)
+        requests = [LoadRequest(t.hashes, t.block_ids, t.request_id) for t in meta.loads]
+        for t, handle in zip(meta.loads, service.load_many(requests)):  # threads woken once
+            self._loads[t.request_id] = handle
 
     def _raise_failed_load(self) -> None:
         error, self._load_error = self._load_error, None

@@ -57,7 +57,7 @@ from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT, KvLayout
 from kvconn.lookup import DeadlineLookup, Lookup
 from kvconn.results import LoadResult
-from kvconn.transfer import SaveRequest, TransferService
+from kvconn.transfer import LoadRequest, SaveRequest, TransferService
 from kvconn.transfer import Transfer as Handle
 from kvconn_vllm.blocks import BlockTable
 from kvconn_vllm.layout import kv_layout
@@ -243,9 +243,9 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Submit this step's loads; they finish in the background (``get_finished``)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvconnMetadata)
-        service = self._transfers()
-        for load in meta.loads:
-            handle = service.load(load.hashes, load.slots, tag=load.req_id)
+        requests = [LoadRequest(load.hashes, load.slots, load.req_id) for load in meta.loads]
+        handles = self._transfers().load_many(requests)  # the load threads woken once
+        for handle, load in zip(handles, meta.loads):
             self._loading[load.req_id] = (handle, load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
