@@ -17,7 +17,8 @@ rank), each load started after a barrier. Reported per model and store:
 * the same load through :class:`kvconn.rounds.LoadRounds` (over a gloo group of its
   own, its connector checking no replicas), the median ratio rounds / striped, and what
   idle rounds cost: the CPU each rank's process spends per second while the rounds run
-  with no load (``idle CPU``, a share of one core; measured over 2 s after the trials).
+  with no load, less what it spends in as long without them (``idle CPU``, a share of
+  one core; two windows of 2 s after the trials).
 
 Every load must load every block, and the last one of each kind is verified byte for
 byte. Stores: a redis-server and a Mooncake master with one storage process, started
@@ -147,10 +148,13 @@ def _rank(
                         verify_block(layout, rank, pools, h, s) for h, s in zip(hashes, slots)
                     )
         dist.barrier(group=coord)
+        cpu = time.process_time()
+        time.sleep(IDLE_S)  # what the process spends anyway (a store client's threads)
+        base_cpu = time.process_time() - cpu
         rounds = LoadRounds(conns["rounds"])
         cpu = time.process_time()
         time.sleep(IDLE_S)
-        idle_cpu = (time.process_time() - cpu) / IDLE_S
+        idle_cpu = (time.process_time() - cpu - base_cpu) / IDLE_S
         rounds.close()
         payload = {"times": times, "read": read, "bad": bad, "idle_cpu": idle_cpu}
         payload["handed_back"] = handed_back
