@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 
@@ -36,3 +39,18 @@ def run_script(*args: str, tp: int = 1, timeout: int = 540) -> subprocess.Comple
         timeout=timeout,
         check=False,
     )
+
+
+def run_engine(*args: str, tp: int = 1, timeout: int = 540) -> tuple[dict[str, Any], str]:
+    """``run_vllm.py``'s result, and the process's output, of a run that must succeed.
+
+    The result comes back in a file: at TP=2 the workers' log lines share the script's
+    stdout and can land on the line the result was printed on.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvconn-vllm-run-") as tmp:
+        path = Path(tmp) / "result.json"
+        done = run_script(*args, "--result", str(path), tp=tp, timeout=timeout)
+        log = done.stdout + done.stderr
+        assert done.returncode == 0 and path.exists(), log[-6000:]
+        result: dict[str, Any] = json.loads(path.read_text())
+    return result, log

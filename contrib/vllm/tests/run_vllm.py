@@ -2,8 +2,9 @@
 
 ``python run_vllm.py --model DIR --store DIR --tp N`` generates the same prompt twice
 (greedy, with logprobs) through one ``LLM`` whose own prefix cache is off, so every
-cached token of the second run came from kvconn, and prints the outputs as one JSON
-line. ``--marker RUN:NAME[:TEXT]`` writes a file that arms the test backend
+cached token of the second run came from kvconn, and writes the outputs as JSON to
+``--result FILE`` (not stdout, where at TP=2 the workers' log lines land too).
+``--marker RUN:NAME[:TEXT]`` writes a file that arms the test backend
 (``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based), running the
 prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
 
@@ -295,8 +296,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--num-blocks", type=int, default=0)
+    parser.add_argument("--result", metavar="FILE", help="where the outputs' JSON goes")
     args = parser.parse_args()
-    print("RESULT " + json.dumps(run(args)), flush=True)
+    result = run(args)
+    if args.result:
+        Path(args.result).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ Each engine runs in its own process (``run_vllm.py``), once per session.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_process import run_script
+from engine_process import run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -46,11 +45,7 @@ CONCURRENT = (
 
 
 def engine(model: Path, store: Path, *args: str) -> dict[str, Any]:
-    done = run_script("--model", str(model), "--store", str(store), *args)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, (done.stdout + done.stderr)[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
+    return run_engine("--model", str(model), "--store", str(store), *args)[0]
 
 
 @pytest.fixture(scope="module")

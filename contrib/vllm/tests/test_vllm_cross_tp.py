@@ -23,14 +23,13 @@ itself. Engines with and without a hit compute on the same threads
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_process import run_script
+from engine_process import run_engine
 from kvconn_lmdb import LmdbBackend
 
 from kvconn.keys import parse_key
@@ -42,8 +41,8 @@ FULL_BLOCKS = PROMPT_TOKENS // 32
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def run_engine(model: Path, store: Path, tp: int) -> dict[str, Any]:
-    done = run_script(
+def run_at(model: Path, store: Path, tp: int) -> dict[str, Any]:
+    return run_engine(
         "--model",
         str(model),
         "--store",
@@ -55,12 +54,7 @@ def run_engine(model: Path, store: Path, tp: int) -> dict[str, Any]:
         "--shard-heads",
         "2",
         tp=tp,
-    )
-    log = done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, log[-6000:]
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
+    )[0]
 
 
 def page_keys(store: Path) -> set[str]:
@@ -80,9 +74,9 @@ def cross_tp(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPat
     other TP size's store, and each store's page keys before and after it was read."""
     model = tiny_model(MODEL)
     stores = {tp: tmp_path_factory.mktemp(f"cross-tp{tp}") / "store" for tp in (1, 2)}
-    written = {tp: run_engine(model, stores[tp], tp) for tp in (1, 2)}
+    written = {tp: run_at(model, stores[tp], tp) for tp in (1, 2)}
     before = {tp: page_keys(stores[tp]) for tp in (1, 2)}
-    read = {tp: run_engine(model, stores[3 - tp], tp) for tp in (1, 2)}
+    read = {tp: run_at(model, stores[3 - tp], tp) for tp in (1, 2)}
     after = {tp: page_keys(stores[tp]) for tp in (1, 2)}
     return {"written": written, "read": read, "before": before, "after": after}
 

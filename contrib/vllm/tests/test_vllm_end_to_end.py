@@ -18,7 +18,6 @@ at the lookup of a third run, then a page between lookup and load of a fourth.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_process import run_script
+from engine_process import run_engine, run_script
 from kvconn_lmdb import LmdbBackend
 from run_vllm import GEMMA3_SLIDING_LAYERS
 
@@ -108,8 +107,8 @@ REFERENCES = {
 }
 
 
-def run_engine(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], str]:
-    done = run_script(
+def run_case(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], str]:
+    return run_engine(
         "--model",
         str(model),
         "--store",
@@ -121,10 +120,6 @@ def run_engine(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], st
         *case.args,
         tp=case.tp,
     )
-    log = done.stdout + done.stderr
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, log[-6000:]
-    return json.loads(lines[-1][len("RESULT ") :]), log
 
 
 def pages_per_block(store: Path) -> dict[str, Counter[str]]:
@@ -141,7 +136,7 @@ def pages_per_block(store: Path) -> dict[str, Counter[str]]:
         backend.close()
 
 
-EngineRun = tuple[Path, dict[str, Any], str]  # the store, the RESULT line, the log
+EngineRun = tuple[Path, dict[str, Any], str]  # the store, the engine's result, the log
 
 
 @pytest.fixture(scope="session")
@@ -155,7 +150,7 @@ def engine_run(
         if name not in runs:
             case = CASES.get(name) or REFERENCES[name]
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
-            result, log = run_engine(tiny_model(case.model), store, case)
+            result, log = run_case(tiny_model(case.model), store, case)
             runs[name] = (store, result, log)
         return runs[name]
 
