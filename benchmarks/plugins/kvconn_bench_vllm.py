@@ -193,20 +193,28 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _unpatched(module: str, class_name: str, method: str) -> tuple[Any, Any] | None:
+    """A kvconn class and its method, unless missing or already timed by this plugin."""
+    try:
+        cls = getattr(importlib.import_module(module), class_name, None)
+    except ImportError:
+        return None
+    call = getattr(cls, method, None)
+    if cls is None or call is None or getattr(call, "_kvconn_bench", False):
+        return None
+    return cls, call
+
+
 def _time_background_transfers() -> None:
     """Record submit -> finish of every kvconn background transfer in this process.
 
     ``Transfer._finish`` runs once per transfer, on whichever thread finishes it; its
     ``submitted`` stamp is ``time.monotonic()`` of the submit.
     """
-    try:
-        transfer = importlib.import_module("kvconn.transfer")
-    except ImportError:  # a core without the transfer service
+    found = _unpatched("kvconn.transfer", "Transfer", "_finish")
+    if found is None:  # a core without the transfer service, or timed already
         return
-    cls = getattr(transfer, "Transfer", None)
-    finish = getattr(cls, "_finish", None)
-    if cls is None or finish is None or getattr(finish, "_kvconn_bench", False):
-        return
+    cls, finish = found
 
     @functools.wraps(finish)
     def _finish(self: Any, result: Any) -> Any:
@@ -229,14 +237,10 @@ def _time_background_transfers() -> None:
 def _time_load_work() -> None:
     """Record each kvconn load's own work (read, verify, scatter: ``Connector.load_into``
     on the load thread), without the queueing and hand-off around it."""
-    try:
-        connector = importlib.import_module("kvconn.connector")
-    except ImportError:
+    found = _unpatched("kvconn.connector", "Connector", "load_into")
+    if found is None:
         return
-    cls = getattr(connector, "Connector", None)
-    load_into = getattr(cls, "load_into", None)
-    if cls is None or load_into is None or getattr(load_into, "_kvconn_bench", False):
-        return
+    cls, load_into = found
 
     @functools.wraps(load_into)
     def _load_into(self: Any, hashes: Any, *args: Any, **kwargs: Any) -> Any:
