@@ -59,12 +59,13 @@ from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
 from kvconn.group import TpGroup
 from kvconn.layout import NO_SLOT
+from kvconn.lent_load import lent_statuses, verify_and_scatter
 from kvconn.lookup import Lookup, PageKeys, check_hashes
 from kvconn.manifests import ManifestWriter
 from kvconn.movement import PageMover, flat_bytes
 from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
-from kvconn.repair import PageRepair, Verdict, check
+from kvconn.repair import PageRepair, Verdict
 from kvconn.replica_check import Probe, ReplicaCheck
 from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_outcomes
 from kvconn.slots import SlotMap, Slots, slot_map
@@ -810,52 +811,32 @@ class Connector:
     ) -> int:
         """:meth:`_load_chunk` from values the store lends where it holds them.
 
-        The checksum is verified on the lent bytes and the good prefix is scattered
-        straight from them into the slots: one copy of each page instead of three passes
-        (copy into staging, verify, scatter). The store is repaired after the loan ends,
-        since a delete may need what the loan holds (LMDB: a remap waits for readers).
+        Each block's pages are verified on the lent bytes and scattered straight from
+        them into the slots while still in cache (:mod:`kvconn.lent_load`): about one
+        copy of each page instead of three passes (copy into staging, verify, scatter).
+        The store is repaired after the loan ends, since a delete may need what the loan
+        holds (LMDB: a remap waits for readers).
         """
         sizes = [
             share.plan.value_size for share, blocks in zip(self.shares, wanted) for _ in blocks
         ]
-        counts = [len(blocks) for blocks in wanted]
-        empty = memoryview(b"")
+        chunk_slots = [slots[share.plan.group][start : start + n].tolist() for share in self.shares]
 
-        def borrowed() -> tuple[Verdict, int]:
+        def borrowed() -> tuple[Verdict, int, list[int]]:
             with self.backend.borrow(self.calls.vetted(keys)) as views:
-                statuses = [
-                    ReadStatus.MISSING
-                    if view is None
-                    else ReadStatus.LOADED
-                    if view.nbytes == size
-                    else ReadStatus.WRONG_SIZE
-                    for view, size in zip(views, sizes)
-                ]
-                pages: list[memoryview] = [
-                    v if v is not None and s is ReadStatus.LOADED else empty
-                    for v, s in zip(views, statuses)
-                ]
+                statuses = lent_statuses(views, sizes)
                 self._count_read(statuses, wanted)
-                verdict = check(self.shares, keys, pages, statuses, counts)
-                good = _good_prefix(verdict.usable, wanted, n)
-                if good:
-                    with gate(good) if gate is not None else contextlib.nullcontext(True) as ok:
-                        if not ok:
-                            return verdict, 0
-                        pos = 0
-                        for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
-                            count = sum(1 for i in blocks if i < good)
-                            chunk_slots = slots[share.plan.group][start : start + n].tolist()
-                            index = [chunk_slots[i] for i in blocks[:count]]
-                            movers[s].scatter_pages(index, pages[pos : pos + count])
-                            pos += len(blocks)
-                            self.stats.add("loaded", share.plan, count)
-                return verdict, good
+                return verify_and_scatter(
+                    self.shares, keys, views, statuses, wanted, n, chunk_slots, movers, gate
+                )
 
         try:
-            verdict, good = self.calls.call("get", borrowed)
+            verdict, good, scattered = self.calls.call("get", borrowed)
         except Unavailable:
             return 0
+        for share, count in zip(self.shares, scattered):
+            if count:
+                self.stats.add("loaded", share.plan, count)
         self._repair.settle(verdict)
         return good
 

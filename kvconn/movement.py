@@ -117,10 +117,24 @@ class PageMover:
                     words.storage_offset() + run.base // width,
                 )
             )
-        #: numpy views of the same memory, for scatter on the CPU (see ``scatter``).
+        #: numpy views of the same memory, for scatter on the CPU (see ``scatter``)...
         self._host_views = (
             [view.numpy() for view in self._views] if self.device.type == "cpu" else None
         )
+        #: ...and in bytes, ``[slots, size]`` (``[slots, count, size]`` for a run of
+        #: several pieces), for pages lent by a store (``scatter_page``).
+        self._host_bytes = (
+            [self._byte_view(pools[run.pool], run, num_slots) for run in self.runs]
+            if self.device.type == "cpu"
+            else None
+        )
+
+    @staticmethod
+    def _byte_view(flat: torch.Tensor, run: Run, num_slots: int) -> np.ndarray:
+        shape = (num_slots, run.size) if run.count == 1 else (num_slots, run.count, run.size)
+        strides = (run.stride, 1) if run.count == 1 else (run.stride, run.step, 1)
+        view = torch.as_strided(flat, shape, strides, flat.storage_offset() + run.base)
+        return view.numpy()
 
     def _page_bytes(self, pages: torch.Tensor, i: int) -> torch.Tensor:
         run = self.runs[i]
@@ -182,23 +196,22 @@ class PageMover:
             else:
                 view.index_copy_(0, slots, words)
 
-    def scatter_pages(self, slots: Sequence[int], pages: Sequence[memoryview]) -> None:
-        """Write each page (a byte view of ``page_size`` or more) into its slot, on the CPU.
+    def scatter_page(self, slot: int, page: memoryview) -> None:
+        """Write one page (a byte view of ``page_size`` or more) into ``slot``, on the CPU.
 
-        For pages that are not rows of one tensor: values a store lends where it holds
-        them (``Backend.borrow``). Each run's piece of each page is one numpy assignment
-        straight from the lent memory, so the bytes are copied once; views made here do
-        not outlive the call.
+        For a page that is not a row of a tensor: a value a store lends where it holds it
+        (``Backend.borrow``), moved while it is still in cache from its checksum
+        (:mod:`kvconn.lent_load`). Each run's piece is one numpy assignment of bytes
+        straight from the lent memory (a lent value need not be aligned for wider
+        words); no view made here outlives the call.
         """
-        if self._host_views is None:
-            raise ValueError("scatter_pages moves bytes into CPU pools only")
-        for i, run in enumerate(self.runs):
-            target = self._host_views[i]
-            shape = target.shape[1:]
-            for slot, page in zip(slots, pages):
-                piece = np.frombuffer(page, np.uint8, run.nbytes, run.page_offset)
-                target[slot] = piece.view(target.dtype).reshape(shape)
-                del piece  # inside the loop: a call with no page has none to drop
+        if self._host_bytes is None:
+            raise ValueError("scatter_page moves bytes into CPU pools only")
+        src = np.frombuffer(page, np.uint8)
+        for run, target in zip(self.runs, self._host_bytes):
+            piece = src[run.page_offset : run.page_offset + run.nbytes]
+            target[slot] = piece if run.count == 1 else piece.reshape(run.count, run.size)
+        del src, piece  # the lent memory is not referenced past the call
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def check_pages(
     statuses: Sequence[ReadStatus],
 ) -> Verdict:
     """:func:`check` for pages of any kinds in any order: ``plans[i]`` is page ``i``'s."""
-    verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
+    verdict = read_verdict(plans, keys, statuses)
     usable = verdict.usable
     # by identity: hashing a plan hashes all of its regions, once per page
     arrived: dict[int, tuple[PagePlan, list[int]]] = {}
@@ -172,6 +172,15 @@ def check_pages(
             if not verified:
                 usable[i] = False
                 verdict.damaged[keys[i]] = plan
+    return verdict
+
+
+def read_verdict(
+    plans: Sequence[PagePlan], keys: Sequence[str], statuses: Sequence[ReadStatus]
+) -> Verdict:
+    """The verdict on a read before any checksum: which pages arrived, and why the
+    others did not (a page that arrived is usable until its checksum says otherwise)."""
+    verdict = Verdict([s is ReadStatus.LOADED for s in statuses])
     for i, (plan, status) in enumerate(zip(plans, statuses)):
         if status is ReadStatus.WRONG_SIZE:
             verdict.damaged[keys[i]] = plan

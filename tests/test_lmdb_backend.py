@@ -595,6 +595,76 @@ def test_a_cancelled_borrowed_load_writes_nothing_more_into_the_slots(tmp_path):
     conn.close()
 
 
+def _scribble(conn, key: str) -> None:
+    """Flip one byte of a stored value behind kvconn's back (same size: only the
+    checksum can tell)."""
+    env = conn.backend._write_env()
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key.encode()))
+        value[len(value) // 2] ^= 0xFF
+        txn.put(key.encode(), bytes(value))
+
+
+def test_a_lent_load_stops_at_the_first_damaged_block_and_repairs_every_damaged_page(tmp_path):
+    """Blocks are verified and scattered one by one (kvconn.lent_load): those before the
+    damaged one load, it and every later block leave their slots untouched, and a damaged
+    page further on is still found and deleted, as when a chunk was verified at once."""
+
+    from kvconn.hashing import block_hashes
+    from tests.helpers import slot_bytes
+
+    layout, _config, (conn, other) = _lmdb_group(tmp_path)
+    hashes = block_hashes(list(range(32 * 4)), 32)
+    for writer in (conn, other):  # each writes its share of the shared pages
+        writer.save(hashes, [1, 2, 3, 4])
+    damaged = [conn.keys.rank_keys(0, hashes[b])[0] for b in (1, 3)]
+    for key in damaged:
+        _scribble(conn, key)
+    before = [p.clone() for p in conn.pools]
+    result = conn.load(hashes, [5, 6, 7, 8])
+    assert (result.loaded, result.failed) == (1, (1, 2, 3))
+    assert slot_bytes(layout, conn.pools, 5) == slot_bytes(layout, conn.pools, 1)
+    for slot in (6, 7, 8):
+        assert slot_bytes(layout, conn.pools, slot) == slot_bytes(layout, before, slot)
+    assert conn.stats.pages("repaired") == 2
+    assert conn.backend.exists(damaged) == [False, False]
+    conn.close()
+    other.close()
+
+
+def test_a_lent_load_cancelled_midway_keeps_the_blocks_already_written_and_no_more(tmp_path):
+    """The gate is entered per block: a load given up after two blocks reports two
+    loaded, and the slots of the later blocks get no byte."""
+    import contextlib
+
+    from kvconn.hashing import block_hashes
+    from kvconn.slots import slot_map
+    from tests.helpers import slot_bytes
+
+    layout, _config, (conn, other) = _lmdb_group(tmp_path)
+    hashes = block_hashes(list(range(32 * 4)), 32)
+    for writer in (conn, other):  # each writes its share of the shared pages
+        writer.save(hashes, [1, 2, 3, 4])
+    before = [p.clone() for p in conn.pools]
+    entered: list[int] = []
+
+    @contextlib.contextmanager
+    def gate(blocks):
+        entered.append(blocks)
+        yield len(entered) <= 2
+
+    slots = slot_map(layout, [5, 6, 7, 8], hashes)
+    result = conn.load_into(hashes, slots, lambda n: (None, None), gate=gate)  # type: ignore[arg-type,return-value]
+    assert result.loaded == 2
+    assert entered == [1, 1, 1]
+    for src, dst in ((1, 5), (2, 6)):
+        assert slot_bytes(layout, conn.pools, dst) == slot_bytes(layout, conn.pools, src)
+    for slot in (7, 8):
+        assert slot_bytes(layout, conn.pools, slot) == slot_bytes(layout, before, slot)
+    conn.close()
+    other.close()
+
+
 # ------------------------------------------------ several threads (issue 17: thread_safe)
 
 
