@@ -94,7 +94,13 @@ def key_prefix(namespace: str, model: str) -> str:
 
 
 def page_key(prefix: str, component: str, group: int, fingerprint: str, block_hash: bytes) -> str:
-    return f"{prefix}{component}/lg{group}/{fingerprint}/{block_hash.hex()}"
+    return page_key_stem(prefix, component, group, fingerprint) + block_hash.hex()
+
+
+def page_key_stem(prefix: str, component: str, group: int, fingerprint: str) -> str:
+    """A page kind's keys up to the block hash: a lookup of many blocks builds each of
+    its keys as the stem and the hash in hex (:func:`page_key` is exactly that)."""
+    return f"{prefix}{component}/lg{group}/{fingerprint}/"
 
 
 def manifest_prefix(prefix: str) -> str:

@@ -13,7 +13,7 @@ from enum import Enum
 from kvconn.errors import ConfigError
 from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
 from kvconn.integrity import PageChecksum
-from kvconn.keys import page_key, shard_component
+from kvconn.keys import page_key, page_key_stem, shard_component
 from kvconn.layout import KvLayout, Region, shard_position
 from kvconn.manifest import PageManifest
 
@@ -277,16 +277,14 @@ def lookup_keys(
     prefix: str, plans: Sequence[PagePlan], block_hashes: Sequence[bytes]
 ) -> list[list[str]]:
     """For each block, the keys of every page *any* rank will load: all shards, all groups."""
-    per_block: list[list[str]] = []
-    for h in block_hashes:
-        keys: list[str] = []
-        for plan in plans:
-            for j in range(plan.shard_class.shard_count):
-                keys.append(
-                    page_key(prefix, plan.shard_class.component(j), plan.group, plan.fingerprint, h)
-                )
-        per_block.append(keys)
-    return per_block
+    # the stems once, then each key is a stem and the block's hash: a scheduler asks this
+    # of every prompt, so its cost per key is its cost per block
+    stems = [
+        page_key_stem(prefix, plan.shard_class.component(j), plan.group, plan.fingerprint)
+        for plan in plans
+        for j in range(plan.shard_class.shard_count)
+    ]
+    return [[stem + h for stem in stems] for h in (b.hex() for b in block_hashes)]
 
 
 def lookup_windows(plans: Sequence[PagePlan]) -> list[int | None]:
@@ -312,17 +310,21 @@ def count_prefix_hit(
     is not (a missing windowed page that ``N``'s window has left behind), as in vLLM's
     own sliding-window cache hit, hence the scan over every ``N``.
     """
-    if windows is None:
+    if windows is not None and any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
+    ):
+        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
+    if windows is None or all(w is None for w in windows):
         hit = 0
         for present in per_block_present:
+            if windows is not None and len(present) != len(windows):
+                raise ValueError(
+                    f"block {hit} has {len(present)} pages, windows name {len(windows)}"
+                )
             if not all(present):
                 break
             hit += 1
         return hit
-    if any(
-        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
-    ):
-        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
     last_missing = [-1] * len(windows)  # per page: the last block before N without it
     best = 0
     for n, present in enumerate(per_block_present, start=1):
