@@ -57,6 +57,7 @@ from kvconn.backend import Backend, ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
+from kvconn.gate import Gate
 from kvconn.group import TpGroup
 from kvconn.layout import NO_SLOT
 from kvconn.lent_load import lent_statuses, verify_and_scatter
@@ -71,7 +72,7 @@ from kvconn.results import LoadResult, LookupResult, Outcome, SaveResult, save_o
 from kvconn.slots import SlotMap, Slots, slot_map
 from kvconn.staging import StagingPool
 from kvconn.stats import ConnectorStats
-from kvconn.striped_load import Gate, StripedLoad, Take
+from kvconn.striped_load import StripedLoad, Take
 
 log = logging.getLogger("kvconn")
 
@@ -624,8 +625,21 @@ class Connector:
         :meth:`load_into`.
         """
         hashes, slots_ = self.check_transfer(block_hashes, slots)
+        return self.load_checked(hashes, slots_, stripe=stripe, gate=gate)
+
+    def load_checked(
+        self,
+        hashes: Sequence[bytes],
+        slots: SlotMap,
+        *,
+        stripe: bool = True,
+        gate: Gate | None = None,
+    ) -> LoadResult:
+        """:meth:`load` of arguments :meth:`check_transfer` returned (not checked again)."""
+        if self.closed:
+            raise ConnectorClosed("load on a closed kvconn connector")
         with self._staging.borrow() as staging:
-            return self.load_into(hashes, slots_, staging.take, gate=gate, stripe=stripe)
+            return self.load_into(hashes, slots, staging.take, gate=gate, stripe=stripe)
 
     def stripes(self, slots: SlotMap) -> bool:
         """Whether a load into ``slots`` is striped over the group (so collective)."""

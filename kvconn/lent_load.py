@@ -24,10 +24,10 @@ import contextlib
 from collections.abc import Sequence
 
 from kvconn.backend import ReadStatus
+from kvconn.gate import Gate
 from kvconn.movement import PageMover
 from kvconn.plan import RankShare
 from kvconn.repair import Verdict, read_verdict
-from kvconn.striped_load import Gate
 
 
 def lent_statuses(views: Sequence[memoryview | None], sizes: Sequence[int]) -> list[ReadStatus]:

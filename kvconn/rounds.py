@@ -44,14 +44,14 @@ check replicas (``verify_replicas_every = 0``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvconn.connector import Connector
+from kvconn.gate import ScatterGate
 from kvconn.results import LoadResult
 from kvconn.slots import SlotMap, Slots
 from kvconn.stripe import chunk_digest
@@ -80,24 +80,13 @@ class _Load:
     done: threading.Event = field(default_factory=threading.Event)
     #: What the striped load did; None when handed back to be read per rank.
     result: LoadResult | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    scattered: int = 0  # blocks written into slots so far
-    cancelled: bool = False  # the caller gave up: nothing more reaches the slots
-
-    @contextlib.contextmanager
-    def gate(self, blocks: int) -> Iterator[bool]:
-        """Held while a chunk is scattered; yields whether it may be (not cancelled)."""
-        with self.lock:
-            allowed = not self.cancelled
-            yield allowed
-            if allowed:
-                self.scattered += blocks
+    #: Held while a chunk is scattered; shut when the caller gives up on the load.
+    gate: ScatterGate = field(default_factory=ScatterGate)
 
     def cancel(self) -> LoadResult:
         """Give up: the blocks scattered so far are loaded, the rest failed."""
-        with self.lock:
-            self.cancelled = True
-            loaded = self.scattered
+        with self.gate.lock:
+            loaded = self.gate.close()
         return LoadResult(loaded, tuple(range(loaded, len(self.hashes))))
 
 
@@ -146,7 +135,7 @@ class LoadRounds:
         conn = self.connector
         hashes, slots_ = conn.check_transfer(block_hashes, slots)
         if not hashes or not conn.stripes(slots_):
-            return conn.load(hashes, slots_, stripe=False)
+            return conn.load_checked(hashes, slots_, stripe=False)
         job = _Load(hashes, slots_, chunk_digest(hashes) or 1)
         with self._cond:
             queued = not self._ended
@@ -158,7 +147,7 @@ class LoadRounds:
                 return job.cancel()
             if job.result is not None:
                 return job.result
-        return conn.load(hashes, slots_, stripe=False)
+        return conn.load_checked(hashes, slots_, stripe=False)
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """End the rounds on every rank (one more round); whether they ended in time."""
@@ -207,7 +196,7 @@ class LoadRounds:
                 idle_pause = _FIRST_IDLE_PAUSE_S
                 self._alone.clear()  # the ranks are in step: what came before is settled
                 try:
-                    job.result = self.connector.load(job.hashes, job.slots, gate=job.gate)
+                    job.result = self.connector.load_checked(job.hashes, job.slots, gate=job.gate)
                     self.striped += 1
                 finally:
                     job.done.set()

@@ -31,6 +31,7 @@ import torch
 
 from kvconn.backend import ReadStatus
 from kvconn.calls import BackendCalls, Unavailable
+from kvconn.gate import Gate
 from kvconn.group import TpGroup, Transfer
 from kvconn.movement import PageMover
 from kvconn.plan import PagePlan, RankShare, share_key
@@ -43,10 +44,6 @@ log = logging.getLogger("kvconn")
 
 #: Lends staging memory: ``take(nbytes) -> (uint8 tensor, byte view)`` of the same bytes.
 Take = Callable[[int], tuple[torch.Tensor, memoryview]]
-#: Entered with a chunk's block count just before its bytes are scattered into slots;
-#: yields whether they may be (a cancelled asynchronous load writes nothing more).
-#: Entered with 0 blocks, it only asks whether the load is still wanted.
-Gate = Callable[[int], contextlib.AbstractContextManager[bool]]
 
 #: Where each page kind's rows start in staging, as in an unstriped load.
 _ALIGN = 64

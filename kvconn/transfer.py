@@ -50,6 +50,7 @@ import torch
 from kvconn.arena import Arena, Piece
 from kvconn.connector import CapturedPages, Connector
 from kvconn.errors import ConnectorClosed
+from kvconn.gate import ScatterGate
 from kvconn.plan import WriterPolicy
 from kvconn.replica_check import Probe
 from kvconn.results import LoadResult, Outcome, SaveResult
@@ -100,9 +101,8 @@ class Transfer:
         self._parts = 0
         self._captures: list[CapturedPages] = []
         self._partial: SaveResult | None = None
-        # loads: blocks scattered so far, and whether the engine gave up on it
-        self._loaded = 0
-        self._cancelled = False
+        # loads: held while bytes reach the slots, shut when the engine gives up on it
+        self._gate = ScatterGate(self._lock)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "in flight"
@@ -143,21 +143,11 @@ class Transfer:
         with self._lock:
             if self._result is not None:
                 return False
-            self._cancelled = True
-            loaded = self._loaded
+            loaded = self._gate.close()
         self._finish(LoadResult(loaded, tuple(range(loaded, self.blocks))))
         return True
 
     # ------------------------------------------------------------------ service side
-    @contextlib.contextmanager
-    def _gate(self, blocks: int) -> Iterator[bool]:
-        """Held while a chunk's bytes are scattered into slots; yields whether they may be."""
-        with self._lock:
-            allowed = not self._cancelled
-            yield allowed
-            if allowed:
-                self._loaded += blocks
-
     def _finish(self, result: Result) -> bool:
         with self._lock:
             if self._result is not None:
@@ -551,3 +541,4 @@ def _abandoned(captured: CapturedPages) -> SaveResult:
         Outcome.DROPPED if i in dropped else Outcome.SKIPPED for i in range(captured.blocks)
     )
     return SaveResult(dropped=len(captured.pages), blocks=blocks)
+

@@ -405,3 +405,16 @@ def test_a_transfer_its_waiter_sees_finished_is_already_in_the_services_finished
     assert transfer.cancel()
     assert order == ["recorded, waiters woken: False"]
     assert transfer.done()
+
+
+def test_a_shut_scatter_gate_lets_nothing_more_through_and_counts_what_passed():
+    from kvconn.gate import ScatterGate
+
+    gate = ScatterGate()
+    with gate(2) as allowed:
+        assert allowed
+    with gate.lock:
+        assert gate.close() == 2
+    with gate(3) as allowed:
+        assert not allowed
+    assert gate.passed == 2
