@@ -195,9 +195,7 @@ def measure(model: str, config: dict[str, Any], opts: dict[str, Any]) -> dict[st
             "seconds": statistics.median(per_trial),
             "per_trial": per_trial,
         }
-    ratios = [
-        s / u for s, u in zip(row["striped"]["per_trial"], row["unstriped"]["per_trial"])
-    ]
+    ratios = [s / u for s, u in zip(row["striped"]["per_trial"], row["unstriped"]["per_trial"])]
     row["time_ratio"] = statistics.median(ratios)
     row["rounds_ratio"] = statistics.median(
         r / s for r, s in zip(row["rounds"]["per_trial"], row["striped"]["per_trial"])

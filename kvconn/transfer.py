@@ -541,4 +541,3 @@ def _abandoned(captured: CapturedPages) -> SaveResult:
         Outcome.DROPPED if i in dropped else Outcome.SKIPPED for i in range(captured.blocks)
     )
     return SaveResult(dropped=len(captured.pages), blocks=blocks)
-

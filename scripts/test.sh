@@ -31,6 +31,7 @@ fi
 "$PY" -m pip install -q -e '.[dev,redis,mooncake]'
 
 "$PY" -m ruff check .
+"$PY" -m ruff format --check .
 "$PY" -m mypy
 "$PY" -m pytest "$@"
 

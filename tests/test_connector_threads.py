@@ -161,9 +161,7 @@ class MeetingStore(DictBackend):
         self.meet = threading.Barrier(parties, timeout=10)
 
     def _get(self, keys, buffers, *, scratch):
-        out = super()._get(
-            keys, buffers, scratch=scratch
-        )
+        out = super()._get(keys, buffers, scratch=scratch)
         self.meet.wait()
         return out
 

@@ -45,9 +45,7 @@ def _report_environment(rank, results):
     results.put((rank, os.environ.get("KVCONN_TEST_RANK_VARIABLE")))
 
 
-def test_ranks_see_the_parents_environment_and_streams_as_they_are_at_the_start(
-    monkeypatch, capfd
-):
+def test_ranks_see_the_parents_environment_and_streams_as_they_are_at_the_start(monkeypatch, capfd):
     """A fork server's child would otherwise inherit the server's, fixed when it started."""
     run_ranks(_echo, 1, (1,), timeout_s=60)  # the fork server runs before the change
     monkeypatch.setenv("KVCONN_TEST_RANK_VARIABLE", "set later")
