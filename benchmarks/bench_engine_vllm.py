@@ -31,7 +31,10 @@ Figures (``--figures``):
                completions; background transfers when the adapter has them), the first
                lookup of a fresh engine, and the load against a memcpy of its bytes
                (for kvconn's background load: submit to finish, and its own work,
-               ``Connector.load_into``, without the queueing around it)
+               ``Connector.load_into``, without the queueing around it); and a hit's
+               time until the model runs (submit to the first layer's
+               ``wait_for_layer_load``): the connector's part of the hit's TTFT, apart
+               from a forward pass whose speed varies more between engine processes
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
                --delay-ms to every call reaching the store (exists, put, get/read,
@@ -767,6 +770,14 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"load_background_{name}"] = window_sum(fresh, begin, end, ("transfer_load",))
         out[f"load_work_{name}"] = window_sum(fresh, begin, end, ("load_work",))
         out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
+        # vLLM asks every connector for each layer's KV as the forward pass reaches it:
+        # the first ask is where the model starts, so submit to there is the hit's part
+        # that is the connector's (lookup, load, scheduling), apart from the forward pass
+        forward = [
+            r["t0"] for r in fresh.records if r["m"] == "wait_for_layer_load" and begin <= r["t0"]
+        ]
+        if forward and min(forward) <= end:
+            out[f"to_forward_{name}"] = min(forward) - phase["requests"]["p"]["submitted"]
     memcpy = [r for r in fresh.records if r["m"] == "memcpy"]
     if memcpy:
         out["memcpy"] = max(r["dt"] for r in memcpy)
@@ -1160,6 +1171,39 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 " lookup: the fresh engine's first hit, after a warm-up too short to reach any"
                 " store."
             )
+            rows = []
+            ex_fresh = m("inside", tp, "example", "to_forward_fresh")
+            ex_repeat = m("inside", tp, "example", "to_forward_repeat")
+            for c in configs:
+                fresh_s = m("inside", tp, c, "to_forward_fresh")
+                if fresh_s is None:
+                    continue
+                repeat_s = m("inside", tp, c, "to_forward_repeat")
+                rows.append(
+                    [
+                        CONFIGS[c].label,
+                        fmt(fresh_s, 1000, 1),
+                        fmt(repeat_s, 1000, 1),
+                        ratio(fresh_s, ex_fresh),
+                        ratio(repeat_s, ex_repeat),
+                    ]
+                )
+            if rows:
+                out.append(
+                    f"A {args.prompt_tokens}-token hit until the model runs, TP={tp} (ms; submit"
+                    " to the forward pass's first layer, the connector's part of the hit's"
+                    " TTFT: lookup, load, scheduling):\n"
+                    + table(
+                        [
+                            "configuration",
+                            "fresh hit",
+                            "repeat hit",
+                            "fresh / Example",
+                            "repeat / Example",
+                        ],
+                        rows,
+                    )
+                )
             for kv in ("kvconn-lmdb", "kvconn-redis"):
                 if f"inside/tp{tp}/{kv}" in results.samples and example["save"] is not None:
                     mine = {k: m("inside", tp, kv, k) for k in example}

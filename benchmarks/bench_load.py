@@ -1,0 +1,115 @@
+"""A connector's whole load from LMDB, as copies of its bytes, outside any engine.
+
+The geometry is the vLLM benchmark's (``bench_engine_vllm.py``): Qwen2.5-0.5B's 24
+layers in vLLM's CPU layout, one pool per layer holding K and V of a block as one 32 KiB
+piece, and a 2,048-token hit of 63 blocks (63 pages of 768 KiB, 47 MiB). The load is
+``Connector.load`` as an engine's load thread calls it (keys, one read transaction,
+every page's checksum, the scatter into the 24 pools); the baseline is a ``memcpy`` of
+the same payload bytes between two buffers touched beforehand. Every trial times each
+variant once, in a new shuffled order; the figures are medians, the ratio is of medians.
+
+``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
+only every thousand iterations, as an engine's step loop does between its calls: a load
+that gives up the GIL for each copy must win it back each time, so this shows how much a
+load depends on the rest of the process (inside vLLM, the load work is measured by
+``bench_engine_vllm.py``'s ``inside`` figure).
+
+Run from the repository root:
+
+    python -m benchmarks.bench_load
+    python -m benchmarks.bench_load --blocks 63 --trials 31 --contend
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import tempfile
+import threading
+import time
+
+import torch
+
+from benchmarks.bench_movement import interleaved_medians
+from kvconn import Connector
+from kvconn.layout import KvLayout, LayerGroup, Region, Role
+
+LAYERS = 24
+KV_HEADS = 2
+TOKENS = 32
+HEAD_DIM = 64
+
+
+def build(path: str, blocks: int) -> tuple[Connector, list[bytes], list[int]]:
+    """A connector over one pool per layer (``[slots, K/V, heads, tokens, dim]`` fp32),
+    with ``blocks`` blocks saved; the hashes, and the slots a load fills."""
+    slots = 2 * blocks + 8
+    pools = [torch.randn(slots, 2, KV_HEADS, TOKENS, HEAD_DIM) for _ in range(LAYERS)]
+    regions = tuple(Region.from_tensor("kv", i, p, p, i) for i, p in enumerate(pools))
+    layout = KvLayout(
+        1,
+        TOKENS,
+        (Role("kv", KV_HEADS, "float32+CPU_ATTN"),),
+        (LayerGroup(0, slots, regions),),
+        tuple(p.numel() * p.element_size() for p in pools),
+    )
+    config = {"model": "bench-load", "backend": "lmdb", "options": {"path": path}}
+    conn = Connector(config, layout, pools=[p.view(-1).view(torch.uint8) for p in pools])
+    hashes = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
+    if conn.save(hashes, list(range(blocks))).written != blocks:
+        raise SystemExit("the save did not write every block")
+    return conn, hashes, list(range(blocks + 4, 2 * blocks + 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=63, help="blocks per load (63)")
+    parser.add_argument("--trials", type=int, default=31, help="interleaved trials (31)")
+    parser.add_argument("--contend", action="store_true", help="also with a busy Python thread")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as path:
+        conn, hashes, slots = build(path, args.blocks)
+        nbytes = args.blocks * LAYERS * 2 * KV_HEADS * TOKENS * HEAD_DIM * 4
+        src = ctypes.create_string_buffer(os.urandom(nbytes), nbytes)
+        dst = ctypes.create_string_buffer(nbytes)
+
+        def load() -> None:
+            result = conn.load(hashes, slots)
+            if result.loaded != args.blocks:
+                raise SystemExit(f"the load did not load every block: {result}")
+
+        variants = {"memcpy": lambda: ctypes.memmove(dst, src, nbytes), "load": load}
+        print(
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.blocks} blocks of "
+            f"{LAYERS} layers x 32 KiB ({nbytes / 2**20:.0f} MiB), {args.trials} trials, medians"
+        )
+        runs = [("quiet", False)] + ([("busy Python thread", True)] if args.contend else [])
+        for label, contend in runs:
+            stop = threading.Event()
+            spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
+            if contend:
+                spinner.start()
+            try:
+                med = interleaved_medians(variants, args.trials)
+            finally:
+                stop.set()
+            print(
+                f"{label:20s} memcpy {med['memcpy'] * 1e3:6.2f} ms  load {med['load'] * 1e3:6.2f}"
+                f" ms  load/memcpy {med['load'] / med['memcpy']:.2f}"
+            )
+        conn.close()
+
+
+def _spin(stop: threading.Event) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
+        if n % 1000 == 0:
+            time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
