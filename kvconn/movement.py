@@ -211,7 +211,6 @@ class PageMover:
         for run, target in zip(self.runs, self._host_bytes):
             piece = src[run.page_offset : run.page_offset + run.nbytes]
             target[slot] = piece if run.count == 1 else piece.reshape(run.count, run.size)
-        del src, piece  # the lent memory is not referenced past the call
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:
