@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvconn import _scatter
 from kvconn.layout import Region
 
 
@@ -121,20 +122,22 @@ class PageMover:
         self._host_views = (
             [view.numpy() for view in self._views] if self.device.type == "cpu" else None
         )
-        #: ...and in bytes, ``[slots, size]`` (``[slots, count, size]`` for a run of
-        #: several pieces), for pages lent by a store (``scatter_page``).
-        self._host_bytes = (
-            [self._byte_view(pools[run.pool], run, num_slots) for run in self.runs]
-            if self.device.type == "cpu"
-            else None
-        )
+        #: ...and, for pages lent by a store (``scatter_page``), the address, slot stride,
+        #: page offset and size of each piece, for kvconn._scatter (CPU pools only)
+        self._pools = list(pools)  # the table's addresses point into these
+        self._piece_table = self._pieces(self._pools) if self._host_views is not None else None
 
-    @staticmethod
-    def _byte_view(flat: torch.Tensor, run: Run, num_slots: int) -> np.ndarray:
-        shape = (num_slots, run.size) if run.count == 1 else (num_slots, run.count, run.size)
-        strides = (run.stride, 1) if run.count == 1 else (run.stride, run.step, 1)
-        view = torch.as_strided(flat, shape, strides, flat.storage_offset() + run.base)
-        return view.numpy()
+    def _pieces(self, pools: Sequence[torch.Tensor]) -> bytes:
+        rows: list[tuple[int, int, int, int]] = []
+        for run in self.runs:
+            flat = pools[run.pool]
+            # the pieces of a run whose pieces abut in the slot are one piece
+            count, size = (1, run.nbytes) if run.step == run.size else (run.count, run.size)
+            for c in range(count):
+                # inside the pool for every slot: as_strided checked the run's view above
+                base = flat.data_ptr() + run.base + c * run.step
+                rows.append((base, run.stride, run.page_offset + c * size, size))
+        return np.array(rows, dtype=np.int64).reshape(-1, 4).tobytes()
 
     def _page_bytes(self, pages: torch.Tensor, i: int) -> torch.Tensor:
         run = self.runs[i]
@@ -201,16 +204,14 @@ class PageMover:
 
         For a page that is not a row of a tensor: a value a store lends where it holds it
         (``Backend.borrow``), moved while it is still in cache from its checksum
-        (:mod:`kvconn.lent_load`). Each run's piece is one numpy assignment of bytes
-        straight from the lent memory (a lent value need not be aligned for wider
-        words); no view made here outlives the call.
+        (:mod:`kvconn.lent_load`). All of the page's pieces go in one call that lets the
+        GIL go once (kvconn._scatter): a numpy assignment per piece gave it up and had to
+        win it back 24 times a page for a 24-layer model, each time waiting on whatever
+        else the engine's process runs (``benchmarks/bench_load.py --contend``).
         """
-        if self._host_bytes is None:
+        if self._piece_table is None:
             raise ValueError("scatter_page moves bytes into CPU pools only")
-        src = np.frombuffer(page, np.uint8)
-        for run, target in zip(self.runs, self._host_bytes):
-            piece = src[run.page_offset : run.page_offset + run.nbytes]
-            target[slot] = piece if run.count == 1 else piece.reshape(run.count, run.size)
+        _scatter.scatter_page(page, slot, self.num_slots, self._piece_table)
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,53 @@ def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case, tail):
     assert int(target[~touched].count_nonzero()) == 0  # nothing outside the pages is written
 
 
+@settings(max_examples=150, deadline=None)
+@given(interleaved())
+def test_a_lent_page_scatters_into_exactly_the_bytes_its_regions_name(case):
+    regions, pool_size, slots = case
+    pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
+    pages = reference_gather(regions, pool, slots)
+    target = torch.zeros_like(pool)
+    mover = PageMover(regions, [target], regions[0].num_slots)
+    for slot, page in zip(slots, pages):
+        # a lent value: read-only bytes at no particular alignment
+        mover.scatter_page(slot, memoryview(b"\x00" + page.numpy().tobytes())[1:])
+    touched = torch.zeros(pool_size, dtype=torch.bool)
+    for r in regions:
+        for s in slots:
+            touched[r.base + s * r.stride : r.base + s * r.stride + r.size] = True
+    assert torch.equal(target[touched], pool[touched])
+    assert int(target[~touched].count_nonzero()) == 0
+
+
+def lent_mover():
+    regions = [Region("k", 0, 0, 8, 32, 4), Region("k", 1, 16, 8, 32, 4)]
+    target = torch.zeros(4 * 32, dtype=torch.uint8)
+    return PageMover(regions, [target], 4), target
+
+
+@pytest.mark.parametrize("slot", [-1, 4])
+def test_a_lent_page_for_a_slot_outside_the_pool_is_refused_unwritten(slot):
+    mover, target = lent_mover()
+    with pytest.raises(IndexError, match=f"slot {slot} is outside the pool's 4 slots"):
+        mover.scatter_page(slot, memoryview(bytes(range(1, 17))))
+    assert int(target.count_nonzero()) == 0
+
+
+def test_a_lent_page_shorter_than_its_pieces_is_refused_unwritten():
+    mover, target = lent_mover()
+    with pytest.raises(ValueError, match=r"piece 1 \(bytes 8..16\) lies outside a page of 12"):
+        mover.scatter_page(1, memoryview(bytes(range(1, 13))))
+    assert int(target.count_nonzero()) == 0  # the first piece, which fits, is not written
+
+
+def test_lent_pages_go_into_cpu_pools_only():
+    regions = [Region("k", 0, 0, 8, 8, 2)]
+    mover = PageMover(regions, [torch.zeros(16, dtype=torch.uint8, device="meta")], 2)
+    with pytest.raises(ValueError, match="CPU pools only"):
+        mover.scatter_page(0, memoryview(bytes(8)))
+
+
 def test_adjacent_regions_and_layer_repeats_compile_to_one_run():
     stride = 3 * 64 * 4
     regions = []

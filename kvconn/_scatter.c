@@ -1,0 +1,81 @@
+/* kvconn._scatter: write one page's pieces into a CPU pool slot with the GIL let go once.
+ *
+ * A page lent by a store (LMDB's map) goes into a slot as one piece per run of its kind:
+ * 24 pieces for a 24-layer model in vLLM's layout. Copying them one numpy call at a time
+ * gives the GIL up and wins it back for every piece, and inside an engine whose step loop
+ * runs Python each win can wait for the interpreter's switch interval. One call per page
+ * moves the same bytes with one release. See kvconn/movement.py (PageMover.scatter_page).
+ *
+ * The table is PageMover's: one row of four int64 per piece,
+ *   [address of the piece in slot 0, bytes between slots, offset in the page, size],
+ * built from the pool tensors the mover keeps alive. This module checks every piece
+ * against the page's length and the slot against the pool's slot count before it copies
+ * a byte; it trusts the table's addresses, which only PageMover makes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static PyObject *
+scatter_page(PyObject *self, PyObject *args)
+{
+    Py_buffer page, table;
+    Py_ssize_t slot, num_slots;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nny*", &page, &slot, &num_slots, &table)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (table.len % (Py_ssize_t)(4 * sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter table of %zd bytes is not rows of four int64", table.len);
+        goto done;
+    }
+    if (slot < 0 || slot >= num_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd is outside the pool's %zd slots", slot,
+                     num_slots);
+        goto done;
+    }
+    const int64_t *rows = (const int64_t *)table.buf;
+    Py_ssize_t pieces = table.len / (Py_ssize_t)(4 * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < pieces; i++) {
+        int64_t offset = rows[4 * i + 2], size = rows[4 * i + 3];
+        if (offset < 0 || size < 0 || offset > page.len || size > page.len - offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "piece %zd (bytes %lld..%lld) lies outside a page of %zd bytes", i,
+                         (long long)offset, (long long)(offset + size), page.len);
+            goto done;
+        }
+    }
+    const char *src = (const char *)page.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < pieces; i++) {
+        const int64_t *row = rows + 4 * i;
+        char *dst = (char *)(intptr_t)(row[0] + (int64_t)slot * row[1]);
+        memcpy(dst, src + row[2], (size_t)row[3]);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&page);
+    PyBuffer_Release(&table);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scatter_page", scatter_page, METH_VARARGS,
+     "scatter_page(page, slot, num_slots, table): copy a page's pieces into a pool slot."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvconn._scatter", NULL, -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__scatter(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,3 @@
+from typing_extensions import Buffer
+
+def scatter_page(page: Buffer, slot: int, num_slots: int, table: bytes, /) -> None: ...
