@@ -228,7 +228,11 @@ class Lookup:
 
     def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
         """The longest prefix of blocks whose every page, for every rank, is stored."""
-        hashes = check_hashes(block_hashes)
+        return self.lookup_checked(check_hashes(block_hashes))
+
+    def lookup_checked(self, hashes: list[bytes]) -> LookupResult:
+        """:meth:`lookup` of hashes that :func:`check_hashes` passed already (a caller
+        that checks them on the engine's thread, then asks on another)."""
         if self.closed:
             raise ConnectorClosed("lookup on a closed kvconn connector")
         self.stats.bump("lookups")
@@ -320,7 +324,7 @@ class DeadlineLookup:
                     self.timed_out += 1
                     return LookupResult(0, 0, available=False)
                 hashes = check_hashes(block_hashes)
-                entry = (time.monotonic(), self._pool.submit(self.lookup.lookup, hashes))
+                entry = (time.monotonic(), self._pool.submit(self.lookup.lookup_checked, hashes))
                 self._pending[tag] = entry
         started, future = entry
         remaining = self.wait_s - (time.monotonic() - started)

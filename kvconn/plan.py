@@ -317,10 +317,8 @@ def count_prefix_hit(
     if windows is None or all(w is None for w in windows):
         hit = 0
         for present in per_block_present:
-            if windows is not None and len(present) != len(windows):
-                raise ValueError(
-                    f"block {hit} has {len(present)} pages, windows name {len(windows)}"
-                )
+            if windows is not None:
+                _check_page_count(hit, present, windows)
             if not all(present):
                 break
             hit += 1
@@ -328,8 +326,7 @@ def count_prefix_hit(
     last_missing = [-1] * len(windows)  # per page: the last block before N without it
     best = 0
     for n, present in enumerate(per_block_present, start=1):
-        if len(present) != len(windows):
-            raise ValueError(f"block {n - 1} has {len(present)} pages, windows name {len(windows)}")
+        _check_page_count(n - 1, present, windows)
         for j, there in enumerate(present):
             if not there:
                 last_missing[j] = n - 1
@@ -338,6 +335,11 @@ def count_prefix_hit(
         if all(last_missing[j] < max(0, n - w) for j, w in enumerate(windows) if w is not None):
             best = n
     return best
+
+
+def _check_page_count(block: int, present: Sequence[bool], windows: Sequence[int | None]) -> None:
+    if len(present) != len(windows):
+        raise ValueError(f"block {block} has {len(present)} pages, windows name {len(windows)}")
 
 
 def share_key(prefix: str, share: RankShare, block_hash: bytes) -> str:
