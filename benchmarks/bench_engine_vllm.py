@@ -15,6 +15,8 @@ connector comes from its store):
   prefix        vLLM's own prefix cache: a hit in the engine's memory
   example       vLLM's ExampleConnector (safetensors files in a temporary directory)
   kvconn-lmdb   kvconn's adapter on LMDB (a temporary directory)
+  kvconn-lmdb-poll  the same with ``idle_wait_s = 0``: while a hit loads, vLLM's idle
+                steps poll the connector without pause, as before that setting existed
   kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
@@ -115,6 +117,12 @@ CONFIGS = {
         Config("prefix", "vLLM prefix cache", prefix_caching=True),
         Config("example", "ExampleConnector", "TimedExampleConnector", persistent=True),
         Config("kvconn-lmdb", "kvconn, LMDB", "TimedKvconnConnector", persistent=True),
+        Config(
+            "kvconn-lmdb-poll",
+            "kvconn, LMDB, no idle wait",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
         Config("kvconn-redis", "kvconn, Redis", "TimedKvconnConnector", persistent=True),
         Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
@@ -462,6 +470,11 @@ class Runner:
             }
         if config == "kvconn-lmdb":
             extra = self.kvconn_extra("lmdb", lmdb)
+        elif config == "kvconn-lmdb-poll":
+            # a store of its own: sharing kvconn-lmdb's, whichever ran second would hit
+            # in its first run
+            own = {**lmdb, "path": f"{self.stores.lmdb}-poll"}
+            extra = self.kvconn_extra("lmdb", own) | {"idle_wait_s": 0}
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
         elif config == "kvconn-slow":

@@ -53,6 +53,7 @@ _NUMERIC = (
     "lookup_wait_s",
     "lookup_timeout_s",
     "load_timeout_s",
+    "idle_wait_s",
     "stripe_reads",
     "verify_replicas_every",
     "shard_heads",
@@ -94,6 +95,12 @@ class ConnectorConfig:
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
+    #: An engine step with nothing to compute while loads are in flight (vLLM's loop
+    #: while a hit loads) waits this long at most for the next load to finish, instead
+    #: of returning at once to poll again: the polling loop would take the core and the
+    #: GIL from the load it waits for. A request arriving meanwhile waits as long.
+    #: 0: never wait.
+    idle_wait_s: float = 0.005
     #: Read each page several TP ranks hold once per group and pass it over the group
     #: (kvconn.striped_load): the engine adapter builds a gloo group of its TP ranks.
     #: Pays against a store behind a network; against an embedded one (LMDB) the
@@ -142,6 +149,7 @@ class ConnectorConfig:
             ("lookup_wait_s", 0.0, MAX_WAIT_S),
             ("lookup_timeout_s", 0.0, MAX_WAIT_S),
             ("load_timeout_s", 0.001, MAX_RETRY_INTERVAL_S),
+            ("idle_wait_s", 0.0, MAX_WAIT_S),
         ):
             _seconds(getattr(self, name), name, low, high)
         heads = self.shard_heads

@@ -92,6 +92,8 @@ class Transfer:
 class KvconnMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    #: the step schedules no token: vLLM polls its connectors, waiting on their loads
+    idle: bool = False
 
 
 @dataclass
@@ -125,6 +127,16 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         engine_model=EngineModel.of(model.model, model.revision, model.quantization),
         where="kv_connector_extra_config",
     )
+
+
+def wait_for_a_load(handles: Sequence[Handle], wait_s: float) -> None:
+    """Return when one of ``handles`` (loads, oldest first) is done, or after ``wait_s``.
+
+    At once if one is done already or ``wait_s`` is 0. Only the oldest is waited on: the
+    load threads take loads in the order they were submitted, so it finishes first.
+    """
+    if handles and wait_s > 0 and not any(h.done() for h in handles):
+        handles[0].wait(wait_s)
 
 
 def _tp_group(config: ConnectorConfig) -> Any:
@@ -272,6 +284,22 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         for save, handle in zip(meta.saves, self._transfers().save_many(requests)):
             self._saving.setdefault(save.req_id, []).append(handle)
 
+    def _wait_when_idle(self) -> None:
+        """In a step that computes nothing, wait up to ``idle_wait_s`` for a load.
+
+        While a hit loads and nothing else runs, vLLM's engine loop steps without pause
+        (schedule, an empty step, poll the connector): on a CPU it takes the core and,
+        in this process, the GIL from the load it waits for (a 47 MiB load took 2.5
+        memcpys in vLLM against 1.6 outside it; docs/performance.md). Waiting here for
+        the oldest load, which the load threads finish first, returns as soon as one
+        is done.
+        """
+        if not self._loading or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvconnMetadata) and meta.idle:
+            wait_for_a_load([h for h, _ in self._loading.values()], self._config.idle_wait_s)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
@@ -284,6 +312,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """Loads done (a failed one also reported, with its blocks or as a failed
         receive), and finished requests whose saves have all been captured."""
         service = self._transfers()
+        self._wait_when_idle()
         service.finished()  # lets the service fail loads past load_timeout_s
         recving: set[str] = set()
         failed_reqs: set[str] = set()
@@ -401,7 +430,10 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._tracked[req_id] = tracked
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvconnMetadata:
-        meta = KvconnMetadata(loads=list(self._loads.values()))
+        meta = KvconnMetadata(
+            loads=list(self._loads.values()),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._loads.clear()
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
