@@ -17,6 +17,9 @@ connector comes from its store):
   kvconn-lmdb   kvconn's adapter on LMDB (a temporary directory)
   kvconn-lmdb-poll  the same with ``idle_wait_s = 0``: while a hit loads, vLLM's idle
                 steps poll the connector without pause, as before that setting existed
+  kvconn-lmdb-thread  the same with ``lookup_inline = false``: the scheduler asks LMDB
+                through the lookup thread, as it asks a store across a network, not on
+                its own thread
   kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
@@ -120,6 +123,12 @@ CONFIGS = {
         Config(
             "kvconn-lmdb-poll",
             "kvconn, LMDB, no idle wait",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
+            "kvconn-lmdb-thread",
+            "kvconn, LMDB, lookup thread",
             "TimedKvconnConnector",
             persistent=True,
         ),
@@ -475,6 +484,9 @@ class Runner:
             # in its first run
             own = {**lmdb, "path": f"{self.stores.lmdb}-poll"}
             extra = self.kvconn_extra("lmdb", own) | {"idle_wait_s": 0}
+        elif config == "kvconn-lmdb-thread":
+            own = {**lmdb, "path": f"{self.stores.lmdb}-thread"}
+            extra = self.kvconn_extra("lmdb", own) | {"lookup_inline": False}
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
         elif config == "kvconn-slow":

@@ -61,6 +61,10 @@ class Capabilities:
     #: borrow() lends read-only views of stored values where the store holds them (an
     #: embedded store's memory map), saving the copy into staging that get() makes.
     borrowed_reads: bool = False
+    #: exists() answers from this host's memory or disk, never across a network (an
+    #: embedded store), so a scheduler asks it on its own thread: a hand-off to a
+    #: lookup thread costs more than the answer (:class:`kvconn.lookup.DeadlineLookup`).
+    local: bool = False
 
 
 def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:

@@ -52,6 +52,7 @@ _NUMERIC = (
     "retry_interval_s",
     "lookup_wait_s",
     "lookup_timeout_s",
+    "lookup_inline",
     "load_timeout_s",
     "idle_wait_s",
     "stripe_reads",
@@ -92,6 +93,11 @@ class ConnectorConfig:
     lookup_wait_s: float = 0.002
     #: ...and how long after it started an unanswered lookup is answered as a miss.
     lookup_timeout_s: float = 0.5
+    #: Ask a store that answers from this host (``Capabilities.local``: LMDB) on the
+    #: scheduler's own thread, not through the lookup thread: quicker than the hand-off,
+    #: but a disk that hangs holds the scheduler as long. False: every store gets the
+    #: thread and ``lookup_wait_s``.
+    lookup_inline: bool = True
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
@@ -132,8 +138,9 @@ class ConnectorConfig:
         for name in ("staging_bytes", "inflight_bytes"):
             object.__setattr__(self, name, _size(getattr(self, name), name))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
-        if not isinstance(self.stripe_reads, bool):
-            raise ConfigError(f"stripe_reads must be true or false, got {self.stripe_reads!r}")
+        for name in ("stripe_reads", "lookup_inline"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         every = self.verify_replicas_every
         if (
             isinstance(every, bool)

@@ -289,7 +289,25 @@ class DeadlineLookup:
     started is answered as a miss (``available=False``). With more than ``max_pending``
     lookups unanswered (a stalled store), new ones are misses at once: a stalled store
     must not queue up work, nor keep the scheduler waiting.
+
+    A store that answers from this host (``Capabilities.local``, LMDB) is asked on the
+    caller's thread instead, unless ``lookup_inline`` is false: its answer (0.2 ms for 63
+    blocks) is quicker than the hand-off to a lookup thread and back (0.4 ms, and 1.2 ms
+    for a new process's first lookup; ``benchmarks/bench_lookup.py``). ``inline`` says
+    whether it still is: after ``SLOW_INLINE_ANSWERS`` answers in a row slower than
+    ``wait_s`` and than ``SLOW_INLINE_S`` (a disk that has stopped being quick), lookups
+    go to the thread and the deadline for good. A disk that hangs holds the caller for
+    that one answer, as a file check on the same disk would.
     """
+
+    #: Inline answers in a row, each slower than ``wait_s`` and ``SLOW_INLINE_S``,
+    #: after which a local store is asked on the lookup thread: more than one, so one
+    #: unlucky answer does not cost every later lookup a hand-off.
+    SLOW_INLINE_ANSWERS = 3
+    #: What a stalled disk costs, not a busy CPU: ~250x a 63-block LMDB lookup. A lookup
+    #: slowed by the GIL or by the CPUs' other work (2.2 ms seen three times in a row on
+    #: a 2-CPU machine) would be slower still through a thread, so it stays here.
+    SLOW_INLINE_S = 0.05
 
     def __init__(
         self,
@@ -308,6 +326,10 @@ class DeadlineLookup:
         self._lock = threading.Lock()
         self._pending: dict[Hashable, tuple[float, Future[LookupResult]]] = {}
         self.timed_out = 0  # lookups answered as misses because the store was too slow
+        caps = lookup.backend.capabilities
+        # thread_safe too: once inline is off, the lookup thread calls the store as well
+        self.inline = lookup.config.lookup_inline and caps.local and caps.thread_safe
+        self._slow_in_a_row = 0
 
     def ask(self, tag: Hashable, block_hashes: Sequence[bytes]) -> LookupResult | None:
         """The hit for ``block_hashes``, ``None`` to be asked again, or a miss when late.
@@ -324,8 +346,14 @@ class DeadlineLookup:
                     self.timed_out += 1
                     return LookupResult(0, 0, available=False)
                 hashes = check_hashes(block_hashes)
-                entry = (time.monotonic(), self._pool.submit(self.lookup.lookup_checked, hashes))
-                self._pending[tag] = entry
+                if not self.inline:
+                    entry = (
+                        time.monotonic(),
+                        self._pool.submit(self.lookup.lookup_checked, hashes),
+                    )
+                    self._pending[tag] = entry
+        if entry is None:
+            return self._ask_here(hashes)
         started, future = entry
         remaining = self.wait_s - (time.monotonic() - started)
         if not future.done() and remaining > 0:
@@ -344,6 +372,28 @@ class DeadlineLookup:
                 self.timed_out += 1
             return LookupResult(0, 0, available=False)
         return None
+
+    def _ask_here(self, hashes: list[bytes]) -> LookupResult:
+        """A local store's answer, on the caller's thread; slow ones are counted."""
+        started = time.monotonic()
+        try:
+            return self.lookup.lookup_checked(hashes)
+        finally:
+            took = time.monotonic() - started
+            with self._lock:
+                slow = took > max(self.wait_s, self.SLOW_INLINE_S)
+                self._slow_in_a_row = self._slow_in_a_row + 1 if slow else 0
+                if self.inline and self._slow_in_a_row >= self.SLOW_INLINE_ANSWERS:
+                    self.inline = False
+                    log.warning(
+                        "kvconn: %d lookups in a row in the local store %r took over %.0f ms "
+                        "(the last %.1f ms); lookups run on a thread from now on, under "
+                        "lookup_wait_s",
+                        self._slow_in_a_row,
+                        self.lookup.config.backend,
+                        max(self.wait_s, self.SLOW_INLINE_S) * 1000,
+                        took * 1000,
+                    )
 
     def forget(self, tag: Hashable) -> None:
         """Drop an unanswered question (the request went away)."""

@@ -39,6 +39,7 @@ def test_the_model_revision_is_required():
         ("retry_interval_s", -1, "retry_interval_s"),
         ("idle_wait_s", -0.001, "idle_wait_s must be a number of seconds"),
         ("idle_wait_s", "5ms", "idle_wait_s must be a number of seconds"),
+        ("lookup_inline", "yes", "lookup_inline must be true or false, got 'yes'"),
         ("writer_policy", "rank0", "writer_policy"),
         ("options", "path=/x", "options must be a table"),
         ("backend", "", "backend must be"),

@@ -6,10 +6,14 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
+from kvconn.backend import Capabilities
 from kvconn.config import ConnectorConfig
 from kvconn.hashing import block_hashes
 from kvconn.keys import parse_key
@@ -162,6 +166,110 @@ def test_an_answer_that_arrives_late_is_returned_when_asked_again():
         while answer is None and time.monotonic() < deadline:
             answer = asker.ask("r1", HASHES)
         assert answer is not None and answer.blocks == N
+    finally:
+        asker.close()
+
+
+class LocalBackend(GatedBackend):
+    """A store that answers from this host, ``delay_s`` per ``exists``; notes the
+    threads its lookups ran on."""
+
+    capabilities = Capabilities(delete=True, thread_safe=True, local=True)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay_s = 0.0
+        self.threads: list[int] = []
+
+    def _exists(self, keys: list[str]) -> Sequence[bool]:
+        self.threads.append(threading.get_ident())
+        time.sleep(self.delay_s)
+        return super()._exists(keys)
+
+
+def test_a_local_store_is_asked_on_the_callers_thread_without_a_hand_off():
+    layout = minimax_m3(tp_size=2)
+    store = LocalBackend()
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), wait_s=0.5, timeout_s=5.0)
+    try:
+        answers = [asker.ask(i, HASHES[: i + 1]) for i in range(N)]
+        assert [a.blocks if a else None for a in answers] == [1, 2, 3, 4]
+        assert set(store.threads) == {threading.get_ident()}
+        assert asker.inline
+    finally:
+        asker.close()
+
+
+def test_lmdb_is_asked_inline_and_redis_is_not(tmp_path):
+    from kvconn_lmdb import LmdbBackend
+    from kvconn_redis import RedisBackend
+
+    layout = minimax_m3(tp_size=2)
+    with LmdbBackend(str(tmp_path / "s")) as lmdb:
+        asker = DeadlineLookup(Lookup(CONFIG, layout, backend=lmdb))
+        assert asker.inline
+        answer = asker.ask("r", HASHES)
+        assert answer is not None and answer.blocks == 0 and answer.available
+        asker.close()
+    assert not RedisBackend.capabilities.local  # a round trip: under the deadline
+
+
+def test_lookup_inline_false_asks_even_a_local_store_through_the_thread():
+    layout = minimax_m3(tp_size=2)
+    store = LocalBackend()
+    config = replace(CONFIG, lookup_inline=False)
+    asker = DeadlineLookup(Lookup(config, layout, backend=store), wait_s=5.0, timeout_s=10.0)
+    try:
+        answer = asker.ask("r", HASHES)
+        assert answer is not None and not asker.inline
+        assert store.threads and threading.get_ident() not in store.threads
+    finally:
+        asker.close()
+
+
+def test_lookup_inline_is_read_from_the_environment_as_a_bool():
+    config = ConnectorConfig.from_env({"KVCONN_MODEL": "m", "KVCONN_LOOKUP_INLINE": "false"})
+    assert config.lookup_inline is False
+
+
+def test_a_local_store_that_stays_slow_is_asked_on_a_thread_under_the_deadline():
+    layout = minimax_m3(tp_size=2)
+    store = LocalBackend()
+    store.delay_s = DeadlineLookup.SLOW_INLINE_S + 0.01
+    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), wait_s=0.01, timeout_s=5.0)
+    me = threading.get_ident()
+    try:
+        for i in range(DeadlineLookup.SLOW_INLINE_ANSWERS):
+            answer = asker.ask(i, HASHES)  # slow, but answered where it was asked
+            assert answer is not None and answer.blocks == 0
+        assert store.threads == [me] * DeadlineLookup.SLOW_INLINE_ANSWERS
+        assert not asker.inline
+        start = time.monotonic()
+        assert asker.ask("later", HASHES) is None  # ask again later, as from any store
+        assert time.monotonic() - start < DeadlineLookup.SLOW_INLINE_S
+        deadline = time.monotonic() + 5
+        answer = None
+        while answer is None and time.monotonic() < deadline:
+            answer = asker.ask("later", HASHES)
+        assert answer is not None and store.threads[-1] != me
+    finally:
+        asker.close()
+
+
+def test_slow_answers_of_a_busy_cpu_or_two_of_a_slow_disk_keep_lookups_inline():
+    layout = minimax_m3(tp_size=2)
+    store = LocalBackend()
+    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), wait_s=0.01, timeout_s=5.0)
+    try:
+        slow = DeadlineLookup.SLOW_INLINE_S + 0.01
+        # 20 ms: over wait_s, but what a busy CPU makes of a lookup, not a stalled disk
+        for i, delay in enumerate([slow, slow, 0.0, 0.02, 0.02, 0.02, slow, slow, 0.0]):
+            store.delay_s = delay
+            assert asker.ask(i, HASHES) is not None
+        assert asker.inline
+        assert set(store.threads) == {threading.get_ident()}
     finally:
         asker.close()
 

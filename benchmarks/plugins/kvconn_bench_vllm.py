@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import importlib
 import json
@@ -284,6 +285,9 @@ class SlowLmdbBackend(LmdbBackend):
     """
 
     name = "lmdb-slow"
+    #: a store a round trip away, not one that answers from this host: a scheduler
+    #: asks it through the lookup thread, under its deadline
+    capabilities = dataclasses.replace(LmdbBackend.capabilities, local=False)
 
     def __init__(self, path: str | None = None, *, delay_s: float = 0.2, **options: Any) -> None:
         super().__init__(path, **options)

@@ -15,6 +15,7 @@ in the store directory (and disarmed when used):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -91,6 +92,8 @@ class SlowPutBackend(LmdbBackend):
 
 class StallingBackend(LmdbBackend):
     name = "lmdb-stall"
+    #: a stalled server, not a local store: the scheduler asks it under its deadline
+    capabilities = dataclasses.replace(LmdbBackend.capabilities, local=False)
 
     def _stall(self) -> None:
         deadline = time.monotonic() + STALL_S
