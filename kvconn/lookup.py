@@ -329,6 +329,7 @@ class DeadlineLookup:
         caps = lookup.backend.capabilities
         # thread_safe too: once inline is off, the lookup thread calls the store as well
         self.inline = lookup.config.lookup_inline and caps.local and caps.thread_safe
+        self._slow_s = max(self.wait_s, self.SLOW_INLINE_S)  # an inline answer this slow counts
         self._slow_in_a_row = 0
 
     def ask(self, tag: Hashable, block_hashes: Sequence[bytes]) -> LookupResult | None:
@@ -381,8 +382,7 @@ class DeadlineLookup:
         finally:
             took = time.monotonic() - started
             with self._lock:
-                slow = took > max(self.wait_s, self.SLOW_INLINE_S)
-                self._slow_in_a_row = self._slow_in_a_row + 1 if slow else 0
+                self._slow_in_a_row = self._slow_in_a_row + 1 if took > self._slow_s else 0
                 if self.inline and self._slow_in_a_row >= self.SLOW_INLINE_ANSWERS:
                     self.inline = False
                     log.warning(
@@ -391,7 +391,7 @@ class DeadlineLookup:
                         "lookup_wait_s",
                         self._slow_in_a_row,
                         self.lookup.config.backend,
-                        max(self.wait_s, self.SLOW_INLINE_S) * 1000,
+                        self._slow_s * 1000,
                         took * 1000,
                     )
 
