@@ -35,8 +35,9 @@ Figures (``--figures``):
   inside       per request, time inside the connector's calls (lookup, load, save,
                completions; background transfers when the adapter has them), the first
                lookup of a fresh engine, and the load against a memcpy of its bytes
-               (for kvconn's background load: submit to finish, and its own work,
-               ``Connector.load_into``, without the queueing around it); and a hit's
+               from memory, as a hit reads them (for kvconn's background load: submit
+               to finish, and its own work, ``Connector.load_into``, without the
+               queueing around it, as wall and as CPU time); and a hit's
                time until the model runs (submit to the first layer's
                ``wait_for_layer_load``): the connector's part of the hit's TTFT, apart
                from a forward pass whose speed varies more between engine processes
@@ -69,6 +70,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -544,6 +546,10 @@ class Runner:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
         if config == "mooncake" and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
+        # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
+        # directory by default) and leaves them there; each job's go with the job.
+        sockets = tempfile.mkdtemp(prefix="kvconn-ipc-")
+        env["VLLM_RPC_BASE_PATH"] = sockets
         log = job_dir / "engine.log"
         command = [
             sys.executable,
@@ -564,6 +570,7 @@ class Runner:
                 code = None
             finally:
                 _kill_group(proc)
+                shutil.rmtree(sockets, ignore_errors=True)
         self.load.append(os.getloadavg()[0])
         text = log.read_text(errors="replace")
         written = job_dir / "result.json"
@@ -749,18 +756,25 @@ def tpot(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
 
 
 def window_sum(
-    run: EngineRun, start: float, end: float, methods: Sequence[str], role: str | None = None
+    run: EngineRun,
+    start: float,
+    end: float,
+    methods: Sequence[str],
+    role: str | None = None,
+    field: str = "dt",
 ) -> float | None:
     """Seconds spent in ``methods`` by calls that began in [start, end]: summed per
-    process, then the slowest process (ranks work in parallel). None if no such call."""
+    process, then the slowest process (ranks work in parallel). None if no such call.
+    ``field`` names which seconds: ``dt`` (wall) or, where recorded, ``cpu``."""
     per_pid: dict[int, float] = {}
     for r in run.records:
         if (
             r["m"] in methods
             and start <= r["t0"] <= end
             and (role is None or r.get("role") == role)
+            and field in r
         ):
-            per_pid[r["pid"]] = per_pid.get(r["pid"], 0.0) + r["dt"]
+            per_pid[r["pid"]] = per_pid.get(r["pid"], 0.0) + r[field]
     return max(per_pid.values()) if per_pid else None
 
 
@@ -794,6 +808,7 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"finished_{name}"] = window_sum(fresh, begin, end, FINISHED_CALLS)
         out[f"load_background_{name}"] = window_sum(fresh, begin, end, ("transfer_load",))
         out[f"load_work_{name}"] = window_sum(fresh, begin, end, ("load_work",))
+        out[f"load_cpu_{name}"] = window_sum(fresh, begin, end, ("load_work",), field="cpu")
         out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
         # vLLM asks every connector for each layer's KV as the forward pass reaches it:
         # the first ask is where the model starts, so submit to there is the hit's part
@@ -806,6 +821,7 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
     memcpy = [r for r in fresh.records if r["m"] == "memcpy"]
     if memcpy:
         out["memcpy"] = max(r["dt"] for r in memcpy)
+        out["memcpy_hot"] = max((r["hot"] for r in memcpy if "hot" in r), default=None)
         out["memcpy_bytes"] = memcpy[0]["bytes"]
     return out
 
@@ -1158,16 +1174,21 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         fmt(m("inside", tp, c, "lookup_repeat"), 1000, 2),
                         fmt(m("inside", tp, c, "lookup_fresh"), 1000, 2),
                         fmt(memcpy, 1000, 2),
+                        fmt(m("inside", tp, c, "memcpy_hot"), 1000, 2),
                         ratio(load, memcpy),
                         ratio(m("inside", tp, c, "load_background_repeat"), memcpy),
                         ratio(m("inside", tp, c, "load_work_repeat"), memcpy),
+                        ratio(m("inside", tp, c, "load_cpu_repeat"), memcpy),
+                        ratio(m("inside", tp, c, "load_work_fresh"), memcpy),
+                        ratio(m("inside", tp, c, "load_cpu_fresh"), memcpy),
                     ]
                 )
             if not rows:
                 continue
             out.append(
                 f"Connector time inside the engine per {args.prompt_tokens}-token request, TP={tp}"
-                " (ms; slowest rank; memcpy: the hit's bytes on one rank, same process):\n"
+                " (ms; slowest rank; memcpy: the hit's bytes on one rank, same process, from"
+                " memory; hot: between buffers already in cache):\n"
                 + table(
                     [
                         "configuration",
@@ -1180,9 +1201,13 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         "lookup hit",
                         "1st lookup",
                         "memcpy",
+                        "hot",
                         "load/memcpy",
                         "load bg/memcpy",
                         "load work/memcpy",
+                        "cpu/memcpy",
+                        "fresh: work/memcpy",
+                        "cpu/memcpy",
                     ],
                     rows,
                 )
@@ -1192,7 +1217,9 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 " bytes on threads of its own (MooncakeStoreConnector) shows the hand-off here and"
                 " its wait in TTFT; kvconn's background transfers, when its adapter uses them,"
                 " are the bg columns (submit to finish); load work is kvconn's load itself"
-                " (read, verify, scatter) without the queueing and hand-off around it. 1st"
+                " (read, verify, scatter) without the queueing and hand-off around it, its"
+                " cpu the load thread's CPU time (the work, without waits for a CPU or the"
+                " GIL); load columns are the repeat hit's unless marked fresh. 1st"
                 " lookup: the fresh engine's first hit, after a warm-up too short to reach any"
                 " store."
             )

@@ -31,14 +31,19 @@ def engine_env(tp: int) -> dict[str, str]:
 
 
 def run_script(*args: str, tp: int = 1, timeout: int = 540) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), *args],
-        env=engine_env(tp),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    env = engine_env(tp)
+    # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
+    # directory by default) and leaves them there; each run's go with the run.
+    with tempfile.TemporaryDirectory(prefix="kvconn-vllm-ipc-") as sockets:
+        env["VLLM_RPC_BASE_PATH"] = sockets
+        return subprocess.run(
+            [sys.executable, str(HERE / "run_vllm.py"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
 
 def run_engine(*args: str, tp: int = 1, timeout: int = 540) -> tuple[dict[str, Any], str]:
