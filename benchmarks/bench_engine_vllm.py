@@ -141,6 +141,14 @@ CONFIGS = {
     )
 }
 
+#: kvconn on LMDB with one setting changed, each over a store of its own (its directory
+#: suffixed with the part after "kvconn-lmdb-"): sharing kvconn-lmdb's, whichever ran
+#: second would hit in its first run.
+LMDB_VARIANTS: dict[str, dict[str, Any]] = {
+    "kvconn-lmdb-poll": {"idle_wait_s": 0},
+    "kvconn-lmdb-thread": {"lookup_inline": False},
+}
+
 #: Stall variants: the measured request decodes alone with no connector, or beside
 #: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
 #: with free loads), from kvconn on LMDB, or from kvconn on LMDB + delay.
@@ -481,14 +489,10 @@ class Runner:
             }
         if config == "kvconn-lmdb":
             extra = self.kvconn_extra("lmdb", lmdb)
-        elif config == "kvconn-lmdb-poll":
-            # a store of its own: sharing kvconn-lmdb's, whichever ran second would hit
-            # in its first run
-            own = {**lmdb, "path": f"{self.stores.lmdb}-poll"}
-            extra = self.kvconn_extra("lmdb", own) | {"idle_wait_s": 0}
-        elif config == "kvconn-lmdb-thread":
-            own = {**lmdb, "path": f"{self.stores.lmdb}-thread"}
-            extra = self.kvconn_extra("lmdb", own) | {"lookup_inline": False}
+        elif config in LMDB_VARIANTS:
+            suffix = config.removeprefix("kvconn-lmdb")
+            own = {**lmdb, "path": f"{self.stores.lmdb}{suffix}"}
+            extra = self.kvconn_extra("lmdb", own) | LMDB_VARIANTS[config]
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
         elif config == "kvconn-slow":
