@@ -162,27 +162,31 @@ def _note_geometry(connector: Any, kv_caches: dict[str, Any]) -> None:
     wanted = int(os.environ.get("BENCH_KVCONN_MEMCPY_BLOCKS", "0"))
     if wanted > 0:
         nbytes = wanted * per_block
-        cold = memcpy_seconds(nbytes, from_memory=True)
-        hot = memcpy_seconds(nbytes)
+        cold, hot = memcpy_seconds(nbytes)
         record("memcpy", time.monotonic(), cold, role="worker", bytes=nbytes, hot=hot)
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 7, from_memory: bool = False) -> float:
-    """Median time of ``memmove`` (libc's memcpy) of ``nbytes`` between two touched buffers;
-    ``from_memory``: with both pushed out of the CPU's caches before each copy."""
+def memcpy_seconds(nbytes: int, repeats: int = 7) -> tuple[float, float]:
+    """Median times of ``memmove`` (libc's memcpy) of ``nbytes`` between two touched
+    buffers: from memory (both pushed out of the CPU's caches before each copy), then
+    from cache (the same buffers, copied again straight after)."""
     src = (ctypes.c_char * nbytes)()
     dst = (ctypes.c_char * nbytes)()
     ctypes.memset(src, 1, nbytes)  # touch every page of both first: no page faults timed
     ctypes.memmove(dst, src, nbytes)
-    flush = (ctypes.c_char * min(2 * _largest_cache(), 1 << 30))() if from_memory else None
-    times = []
-    for i in range(repeats):
-        if flush is not None:  # writing twice the cache's size evicts src and dst
-            ctypes.memset(flush, i + 2, len(flush))
+    flush = (ctypes.c_char * min(2 * _largest_cache(), 1 << 30))()
+
+    def copy() -> float:
         start = time.perf_counter()
         ctypes.memmove(dst, src, nbytes)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    cold = []
+    for i in range(repeats):
+        ctypes.memset(flush, i + 2, len(flush))  # twice the cache's size evicts src and dst
+        cold.append(copy())
+    hot = [copy() for _ in range(repeats)]
+    return statistics.median(cold), statistics.median(hot)
 
 
 def _largest_cache() -> int:
