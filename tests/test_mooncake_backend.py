@@ -18,6 +18,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -795,6 +798,61 @@ def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_un
             assert [bytes(b) for b in buffers] == values
         finally:
             backend.close()
+
+
+def _published(cluster: MooncakeCluster, name: str) -> bytes | None:
+    """The metadata server's entry for the transfer engine ``name``, None if it has none."""
+    key = urllib.parse.quote(f"mooncake/rpc_meta/{name}", safe="")
+    try:
+        with urllib.request.urlopen(f"{cluster.metadata_server}?key={key}", timeout=5) as reply:
+            return bytes(reply.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+
+
+def test_an_engine_name_that_clashes_with_a_peer_leaves_the_peer_its_name(
+    cluster: MooncakeCluster, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name's port is a label nobody binds, so a free port can be a peer's name.
+
+    The metadata server refuses the duplicate, and Mooncake's destructor of the engine
+    that failed then deletes the name's entry, the peer's. The peer can no longer be
+    handshaken with (RDMA needs it), and the next process that draws the port takes the
+    name while the master still lists the peer's segment under it; a killed peer's
+    segment stays listed for ``client_ttl``, and a CI run of the TP group failed so.
+    """
+    from kvconn_mooncake import _library, _replicas
+
+    keys = [f"{prefix}/{i}" for i in range(4)]
+    values = [_value(i, 64 * 1024) for i in range(4)]
+    writer = _open(_options(cluster))
+    try:
+        assert writer.put(keys, values) == [True] * 4
+    finally:
+        writer.close()
+    (peer,) = cluster.segments()  # the storage process, where the objects lie
+    entry = _published(cluster, peer)
+    assert entry is not None
+    engines = _library.load("engine")
+    ports = iter([int(peer.rpartition(":")[2]), free_port()])
+    monkeypatch.setattr(_replicas, "_free_port", lambda: next(ports))
+    made = _replicas.make_engine(engines, "127.0.0.1", cluster.metadata_server, "tcp", "")
+    monkeypatch.undo()
+    assert made is not None and made[1] != peer
+    assert _published(cluster, peer) == entry
+    late = engines.TransferEngine()
+    _replicas._keep_alive(late)
+    assert late.initialize(peer, cluster.metadata_server, "tcp", "") != 0  # not taken over
+    assert _published(cluster, peer) == entry
+    reader = _open(_options(cluster))  # a new engine: it looks the peer up afresh
+    try:
+        buffers = [bytearray(len(v)) for v in values]
+        assert reader.get(keys, buffers) == [True] * 4
+        assert [bytes(b) for b in buffers] == values
+    finally:
+        reader.close()
 
 
 # ---------------------------------------------------------------- why a read failed

@@ -19,6 +19,7 @@ state, the failed endpoints, changes under its own lock, never held across a tra
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import threading
@@ -101,6 +102,13 @@ def make_engine(
     fails with -1), so a free port is picked, as the client does for its own engine. The
     client must be set up under that same name, or peers reading a segment this client
     mounts look for it under a name nobody serves (measured: ``-800``).
+
+    The port of a name is only a label (the engine listens on another), so a free port
+    can be a live peer's name; the metadata server then refuses ours as a duplicate and
+    initialize() gives -1. An engine that failed so must never be destroyed: its
+    destructor deletes the name's entry, which is the live peer's, and every read from
+    that peer's segment fails from then on (measured; it failed a CI run). Such an engine
+    is kept alive for good (:func:`_keep_alive`), and the next attempt takes a new port.
     """
     host = bare_host(hostname)
     code: object = None
@@ -108,12 +116,17 @@ def make_engine(
         name = f"{host}:{_free_port()}"
         try:
             engine = module.TransferEngine()
-            code = engine.initialize(name, metadata, protocol, devices)
         except Exception as exc:
             code = repr(exc)
             continue
+        try:
+            code = engine.initialize(name, metadata, protocol, devices)
+        except Exception as exc:
+            code = repr(exc)
         if code == 0:
             return engine, name
+        _keep_alive(engine)
+        log.info("kvconn: mooncake transfer engine %s did not start (%s); new port", name, code)
     log.warning("kvconn: mooncake replica fail-over is off: engine initialize() gave %s", code)
     return None
 
@@ -126,6 +139,16 @@ def bare_host(hostname: str) -> str:
     if sep and port.isdigit() and ":" not in host:
         return host
     return hostname
+
+
+def _keep_alive(engine: Any) -> None:
+    """Never run ``engine``'s destructor, not even when the interpreter exits.
+
+    One reference more than anyone holds: a module-level list would not do, as modules
+    are cleared at exit and the destructor would then delete the peer's entry as the
+    process ends. A clash of ports is rare, and a failed engine holds little.
+    """
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(engine))
 
 
 def _free_port() -> int:
