@@ -820,8 +820,9 @@ def test_an_engine_name_that_clashes_with_a_peer_leaves_the_peer_its_name(
     The metadata server refuses the duplicate, and Mooncake's destructor of the engine
     that failed then deletes the name's entry, the peer's. The peer can no longer be
     handshaken with (RDMA needs it), and the next process that draws the port takes the
-    name while the master still lists the peer's segment under it; a killed peer's
-    segment stays listed for ``client_ttl``, and a CI run of the TP group failed so.
+    name while the master still lists the peer's segment under it (a killed peer's
+    stays listed for ``client_ttl``): its first read of a copy there segfaults
+    (measured). A CI run of the TP group lost a rank's loads so.
     """
     from kvconn_mooncake import _library, _replicas
 

@@ -106,9 +106,11 @@ def make_engine(
     The port of a name is only a label (the engine listens on another), so a free port
     can be a live peer's name; the metadata server then refuses ours as a duplicate and
     initialize() gives -1. An engine that failed so must never be destroyed: its
-    destructor deletes the name's entry, which is the live peer's, and every read from
-    that peer's segment fails from then on (measured; it failed a CI run). Such an engine
-    is kept alive for good (:func:`_keep_alive`), and the next attempt takes a new port.
+    destructor deletes the name's entry, the peer's: RDMA peers can no longer handshake
+    with it, and the next process to draw the port takes the name while the master may
+    still list a killed peer's segment under it; its reads of copies there segfault
+    (measured, ``docs/notes/mooncake-api.md``). So such an engine is kept alive for good
+    (:func:`_keep_alive`), and the next attempt takes a new port.
     """
     host = bare_host(hostname)
     code: object = None
