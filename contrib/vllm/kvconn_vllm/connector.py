@@ -201,6 +201,12 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._adopted: dict[str, list[bytes]] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: dict[str, Transfer] = {}
+        # Blocks an admitted load brings, and by whom. Only with vLLM's prefix cache: it
+        # caches a finished load's blocks, so a request that needs the same ones next
+        # waits a step for them instead of loading its own copy.
+        self._shares_loads = bool(vllm_config.cache_config.enable_prefix_caching)
+        self._incoming: dict[bytes, str] = {}
+        self._brings: dict[str, list[bytes]] = {}
         self._warned_no_layout = False
         # worker side
         self._conn: Connector | None = None
@@ -384,11 +390,21 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The hit past vLLM's own, loaded asynchronously; ``None``: ask again later."""
+        """The hit past vLLM's own, loaded asynchronously; ``None``: ask again later.
+
+        Also "later" while another request's load brings the next block this one needs:
+        vLLM caches that load's blocks before it admits anyone else (requests holding
+        blocks go first), so this one then finds them in vLLM's cache. Eight requests
+        that share a stored prefix then load it once, not eight times.
+        """
         hashes = self._hashes(request)
         done = num_computed_tokens // self._block_size
         # vLLM must compute at least one token of the prompt itself.
         usable = min(len(hashes), (request.num_tokens - 1) // self._block_size)
+        if usable > done and self._incoming.get(hashes[done], request.request_id) != (
+            request.request_id
+        ):
+            return None, False
         hit = 0
         if usable > done and self._loads_hits:
             if self._asker is not None:
@@ -415,11 +431,11 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         table.replace(blocks.get_block_ids())
         if num_external_tokens > 0:
             count = num_external_tokens // self._block_size
-            self._loads[req_id] = Transfer(
-                req_id,
-                self._hashes(request)[done : done + count],
-                table.slots(done, done + count),
-            )
+            hashes = self._hashes(request)[done : done + count]
+            self._loads[req_id] = Transfer(req_id, hashes, table.slots(done, done + count))
+            if self._shares_loads:
+                brings = [h for h in hashes if self._incoming.setdefault(h, req_id) == req_id]
+                self._brings[req_id] = brings
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
         before = self._tracked.get(req_id)  # a preempted request, resumed
@@ -472,7 +488,13 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Blocks that failed to load are recomputed by vLLM: save them once they are."""
+        """Blocks that failed to load are recomputed by vLLM: save them once they are.
+
+        A finished load's blocks are no longer on their way: vLLM caches those that
+        loaded before it admits a request that waited for them.
+        """
+        for req_id in connector_output.finished_recving or ():
+            self._arrived(req_id)
         for req_id in connector_output.failed_recving or ():
             tracked = self._tracked.get(req_id)
             if tracked is not None:  # vLLM recomputes the whole request
@@ -503,9 +525,17 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tracked = self._tracked.get(req_id)
         for table in (self._hits, self._adopted, self._tracked, self._loads):
             table.pop(req_id, None)
+        self._arrived(req_id)
         if self._asker is not None:
             self._asker.forget(req_id)
         return tracked is not None and tracked.saves_sent
+
+    def _arrived(self, req_id: str) -> None:
+        """The blocks ``req_id``'s load brings are no longer awaited (loaded, failed or
+        abandoned): a request waiting on them asks again, and finds or loads them."""
+        for digest in self._brings.pop(req_id, ()):
+            if self._incoming.get(digest) == req_id:
+                del self._incoming[digest]
 
     def _block_table(self) -> BlockTable:
         return BlockTable(self._group_ids, NULL_BLOCK_ID)

@@ -1,12 +1,12 @@
 """One vLLM engine with the kvconn connector, run as its own process by the tests.
 
 ``python run_vllm.py --model DIR --store DIR --tp N`` generates the same prompt twice
-(greedy, with logprobs) through one ``LLM`` whose own prefix cache is off, so every
-cached token of the second run came from kvconn, and writes the outputs as JSON to
-``--result FILE`` (not stdout, where at TP=2 the workers' log lines land too).
-``--marker RUN:NAME[:TEXT]`` writes a file that arms the test backend
-(``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based), running the
-prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
+(greedy, with logprobs) through one ``LLM`` whose own prefix cache is off (unless
+``--prefix-caching``), so every cached token of the second run came from kvconn, and
+writes the outputs as JSON to ``--result FILE`` (not stdout, where at TP=2 the
+workers' log lines land too). ``--marker RUN:NAME[:TEXT]`` writes a file that arms the
+test backend (``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based),
+running the prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
 
 The tiny random models are made here too (``MODELS``), with the geometries vLLM's CPU
 backends accept: head_dim 64 for K/V attention, an MLA latent of 576 (512 + 64).
@@ -170,7 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=512,
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_blocks or None,  # few blocks: reuse, preemption
-        enable_prefix_caching=False,  # every cached token must come from kvconn
+        # off unless asked: every cached token must come from kvconn
+        enable_prefix_caching=args.prefix_caching,
         enforce_eager=True,  # no torch.compile: start-up in seconds, not a minute
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args, kvconn),
@@ -247,13 +248,14 @@ def concurrent(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - started
     settle(args.store)
-    preemptions = sum(
-        int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
-    )
+    metrics = {m.name: int(getattr(m, "value", 0)) for m in llm.get_metrics()}
     return {
         "requests": [completion(out) for out in outs],
         "seconds": seconds,
-        "preemptions": preemptions,
+        "preemptions": metrics.get("vllm:num_preemptions", 0),
+        # prompt tokens found in vLLM's own cache, and those a connector loaded
+        "local_hits": metrics.get("vllm:prefix_cache_hits", 0),
+        "external_hits": metrics.get("vllm:external_prefix_cache_hits", 0),
     }
 
 
@@ -291,6 +293,7 @@ def main() -> None:
     parser.add_argument("--marker", action="append", default=[], metavar="RUN:NAME[:TEXT]")
     parser.add_argument("--workload", choices=("repeat", "concurrent"), default="repeat")
     parser.add_argument("--stripe", action="store_true", help="kvconn's stripe_reads")
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--own-tokens", type=int, default=36)
     parser.add_argument("--max-tokens", type=int, default=24)

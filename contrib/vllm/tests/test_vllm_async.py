@@ -6,6 +6,9 @@
   their requests are preempted or finish. A second, fresh engine then serves the same
   requests from the store: every request hits, and produces the tokens the first engine
   produced — so no stored page holds another request's bytes.
+* With vLLM's own prefix cache on, eight requests that arrive together and share a
+  stored prefix load it once: the others wait for that load and take its blocks from
+  vLLM's cache, and load only their own blocks.
 * A store that hangs on every call for the length of one generation: the generation
   takes seconds, not the stall; the saves land once the store answers again.
 
@@ -26,15 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHARED_TOKENS = 96  # three blocks of 32 shared by every request
 OWN_TOKENS = 36  # one more full block of each request's own, and a partial one
 HIT_TOKENS = 128  # the four full blocks; the partial one is never stored
-CONCURRENT = (
+TOGETHER = (
     "--workload",
     "concurrent",
     "--requests",
     "8",
     "--max-num-seqs",
     "8",
-    "--num-blocks",
-    "17",  # each request ends needing 6 blocks of 32 tokens: vLLM preempts some
     "--prompt-tokens",
     str(SHARED_TOKENS),
     "--own-tokens",
@@ -42,6 +43,8 @@ CONCURRENT = (
     "--max-tokens",
     "40",  # 132 + 40 tokens: a sixth block while decoding
 )
+# each request ends needing 6 blocks of 32 tokens: vLLM preempts some
+CONCURRENT = (*TOGETHER, "--num-blocks", "17")
 
 
 def engine(model: Path, store: Path, *args: str) -> dict[str, Any]:
@@ -58,7 +61,9 @@ def concurrent_runs(
     store = root / "store"
     first = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
     second = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
-    return {"reference": reference, "first": first, "second": second}
+    # reads 0.3 s slower: the first load is in flight while the others are admitted
+    shared = engine(model, store, *TOGETHER, "--prefix-caching", "--backend", "lmdb-slow-read")
+    return {"reference": reference, "first": first, "second": second, "shared": shared}
 
 
 def test_eight_concurrent_requests_with_saves_in_flight_produce_the_tokens_of_no_connector(
@@ -87,6 +92,22 @@ def test_a_fresh_engine_loads_every_request_and_no_page_holds_another_requests_b
         for step_a, step_b in zip(a["logprobs"], b["logprobs"]):
             assert step_a.keys() == step_b.keys()
             assert all(abs(step_a[t] - step_b[t]) < 1e-3 for t in step_a)
+
+
+def test_with_vllms_prefix_cache_requests_sharing_a_stored_prefix_load_it_once(
+    concurrent_runs: dict[str, dict[str, Any]],
+) -> None:
+    """The first request admitted loads its four blocks; the seven others wait for that
+    load, find the three shared blocks in vLLM's cache, and load only their own one.
+    Each loading the shared blocks itself, the store would serve 8 x 128 tokens (it
+    did, before kvconn held them back)."""
+    reference, shared = concurrent_runs["reference"], concurrent_runs["shared"]
+    own = HIT_TOKENS - SHARED_TOKENS
+    assert shared["external_hits"] == HIT_TOKENS + 7 * own
+    assert shared["local_hits"] == 7 * SHARED_TOKENS
+    assert [r["num_cached_tokens"] for r in shared["requests"]] == [HIT_TOKENS] * 8
+    for a, b in zip(reference["requests"], shared["requests"]):
+        assert b["token_ids"] == a["token_ids"]
 
 
 def test_a_stalled_store_does_not_stall_generation_and_its_saves_land_afterwards(

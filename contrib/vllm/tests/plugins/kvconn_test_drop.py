@@ -76,6 +76,7 @@ class DropOnLoadBackend(LmdbBackend):
 #: Seconds every put of ``lmdb-slow`` takes (its saves are still in flight when their
 #: requests finish and vLLM hands their blocks to others).
 SLOW_PUT_S = 0.3
+SLOW_READ_S = 0.3
 #: While this file exists in the store directory, every call of ``lmdb-stall`` hangs
 #: (a server that accepts and never answers), up to ``STALL_S``.
 STALL_MARKER = "stall"
@@ -88,6 +89,29 @@ class SlowPutBackend(LmdbBackend):
     def _put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         time.sleep(SLOW_PUT_S)
         return super()._put(keys, values)
+
+
+class SlowReadBackend(LmdbBackend):
+    """LMDB whose every read of values takes ``SLOW_READ_S`` more: a load is still in
+    flight when the requests that arrived with it are admitted."""
+
+    name = "lmdb-slow-read"
+
+    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
+        time.sleep(SLOW_READ_S)
+        return super()._get(keys, buffers, scratch=scratch)
+
+    def _read_status(
+        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
+    ) -> Sequence[ReadStatus]:
+        time.sleep(SLOW_READ_S)
+        return super()._read_status(keys, buffers, scratch=scratch)
+
+    def _borrow(
+        self, keys: list[str]
+    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
+        time.sleep(SLOW_READ_S)
+        return super()._borrow(keys)
 
 
 class StallingBackend(LmdbBackend):
