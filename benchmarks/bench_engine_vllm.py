@@ -8,8 +8,8 @@ and reports JSON. Trials are rounds over every configuration in a new shuffled o
 (configurations interleaved, so a busy neighbour slows them alike); figures are medians
 over trials and ratios are of medians.
 
-Configurations (vLLM's prefix cache is off except in ``prefix``, so every hit of a
-connector comes from its store):
+Configurations (vLLM's prefix cache is off except in ``prefix`` and
+``kvconn-lmdb-cached``, so every hit of a connector comes from its store):
 
   none          no connector: every prompt is recomputed
   prefix        vLLM's own prefix cache: a hit in the engine's memory
@@ -20,6 +20,10 @@ connector comes from its store):
   kvconn-lmdb-thread  the same with ``lookup_inline = false``: the scheduler asks LMDB
                 through the lookup thread, as it asks a store across a network, not on
                 its own thread
+  kvconn-lmdb-cached  the same with vLLM's prefix cache on, as deployments run it: a
+                fresh engine's hit loads from the store, a repeat hit is vLLM's own;
+                its concurrency runs in an engine of its own, so the shared prefix
+                comes from the store, loaded once for requests that arrive together
   kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
@@ -134,6 +138,13 @@ CONFIGS = {
             "TimedKvconnConnector",
             persistent=True,
         ),
+        Config(
+            "kvconn-lmdb-cached",
+            "kvconn, LMDB, vLLM prefix cache on",
+            "TimedKvconnConnector",
+            prefix_caching=True,
+            persistent=True,
+        ),
         Config("kvconn-redis", "kvconn, Redis", "TimedKvconnConnector", persistent=True),
         Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
@@ -147,6 +158,7 @@ CONFIGS = {
 LMDB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-lmdb-poll": {"idle_wait_s": 0},
     "kvconn-lmdb-thread": {"lookup_inline": False},
+    "kvconn-lmdb-cached": {},  # vLLM's prefix cache on (Config.prefix_caching)
 }
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
@@ -523,7 +535,8 @@ class Runner:
         job_dir = self.work / "jobs" / f"{self.count:03d}-{key.replace('/', '-')}"
         timings = job_dir / "timings"
         timings.mkdir(parents=True)
-        prefix_caching = config in ("prefix", "prefix-same")
+        prefix_caching = CONFIGS[config].prefix_caching if config in CONFIGS else False
+        prefix_caching = prefix_caching or config == "prefix-same"
         phases = [warmup_phase(key), *phases]
         longest = max(len(r["prompt"]) + r["max_tokens"] for p in phases for r in p["requests"])
         job = {
@@ -685,7 +698,8 @@ class Plan:
     ) -> list[tuple[str, list[dict[str, Any]]]]:
         """The engines one configuration runs: the first (compute and store), and for a
         store that persists a fresh one (hit, repeat hit). Concurrency rides on the last
-        engine, after the shared prefix is stored (or cached)."""
+        engine, after the shared prefix is stored (or cached); for a store beside vLLM's
+        prefix cache, on an engine of its own, whose cache lacks the prefix."""
         decode = self.args.decode_tokens if (self.tp == 1 and "tpot" in figures) else 1
         first = [{"name": "store", "requests": [request("p", self.prompt, decode)]}]
         if config.prefix_caching:
@@ -698,7 +712,10 @@ class Plan:
             ]
             engines.append(("fresh", second))
         if self.tp == 1 and "concurrency" in figures:
-            engines[-1][1].append(self.concurrent(config.name))
+            if config.persistent and config.prefix_caching:
+                engines.append(("concurrent", [self.concurrent(config.name)]))
+            else:
+                engines[-1][1].append(self.concurrent(config.name))
         return engines
 
     def stall_phases(self, variant: str) -> list[dict[str, Any]]:
@@ -1023,7 +1040,7 @@ def ttft_trial(
         values["cached_fresh"] = fresh.phase("fresh")["requests"]["p"]["cached"]  # type: ignore[index]
         values["cached_repeat"] = fresh.phase("repeat")["requests"]["p"]["cached"]  # type: ignore[index]
     results.add("ttft", plan.tp, config.name, values)
-    last = fresh or first
+    last = runs.get("concurrent") or fresh or first
     if plan.tp == 1 and "concurrency" in figures:
         results.add("concurrency", 1, config.name, concurrency_figures(last.phase("concurrent")))
     if config.connector is not None:
