@@ -535,8 +535,9 @@ class Runner:
         job_dir = self.work / "jobs" / f"{self.count:03d}-{key.replace('/', '-')}"
         timings = job_dir / "timings"
         timings.mkdir(parents=True)
-        prefix_caching = CONFIGS[config].prefix_caching if config in CONFIGS else False
-        prefix_caching = prefix_caching or config == "prefix-same"
+        prefix_caching = config == "prefix-same" or (
+            config in CONFIGS and CONFIGS[config].prefix_caching
+        )
         phases = [warmup_phase(key), *phases]
         longest = max(len(r["prompt"]) + r["max_tokens"] for p in phases for r in p["requests"])
         job = {

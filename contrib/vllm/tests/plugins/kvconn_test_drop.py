@@ -91,27 +91,38 @@ class SlowPutBackend(LmdbBackend):
         return super()._put(keys, values)
 
 
-class SlowReadBackend(LmdbBackend):
-    """LMDB whose every read of values takes ``SLOW_READ_S`` more: a load is still in
-    flight when the requests that arrived with it are admitted."""
+class _OnRead(LmdbBackend):
+    """LMDB that calls :meth:`_on_read` before every read of values, by whichever path
+    a load takes: ``get``, ``read`` (striped loads) or borrowing stored values."""
 
-    name = "lmdb-slow-read"
+    def _on_read(self, keys: list[str]) -> None:
+        raise NotImplementedError
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
-        time.sleep(SLOW_READ_S)
+        self._on_read(keys)
         return super()._get(keys, buffers, scratch=scratch)
 
     def _read_status(
         self, keys: list[str], buffers: list[memoryview], *, scratch: bool
     ) -> Sequence[ReadStatus]:
-        time.sleep(SLOW_READ_S)
+        self._on_read(keys)
         return super()._read_status(keys, buffers, scratch=scratch)
 
     def _borrow(
         self, keys: list[str]
     ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
-        time.sleep(SLOW_READ_S)
+        self._on_read(keys)
         return super()._borrow(keys)
+
+
+class SlowReadBackend(_OnRead):
+    """LMDB whose every read of values takes ``SLOW_READ_S`` more: a load is still in
+    flight when the requests that arrived with it are admitted."""
+
+    name = "lmdb-slow-read"
+
+    def _on_read(self, keys: list[str]) -> None:
+        time.sleep(SLOW_READ_S)
 
 
 class StallingBackend(LmdbBackend):
@@ -144,30 +155,14 @@ class StallingBackend(LmdbBackend):
 READS_LOG = "reads.log"
 
 
-class CountingBackend(LmdbBackend):
+class CountingBackend(_OnRead):
     """LMDB that writes down how many pages each read asks for (striped reads ask for
     fewer: each shared page once per TP group)."""
 
     name = "lmdb-count"
 
-    def _note(self, keys: list[str]) -> None:
+    def _on_read(self, keys: list[str]) -> None:
         pages = sum(1 for k in keys if parse_key(k) is not None)
         if pages:
             with open(self.path / READS_LOG, "a") as fh:
                 fh.write(f"{pages}\n")
-
-    def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
-        self._note(keys)
-        return super()._get(keys, buffers, scratch=scratch)
-
-    def _read_status(
-        self, keys: list[str], buffers: list[memoryview], *, scratch: bool
-    ) -> Sequence[ReadStatus]:
-        self._note(keys)  # striped loads read through the backend's read()
-        return super()._read_status(keys, buffers, scratch=scratch)
-
-    def _borrow(
-        self, keys: list[str]
-    ) -> contextlib.AbstractContextManager[list[memoryview | None]]:
-        self._note(keys)
-        return super()._borrow(keys)
