@@ -11,12 +11,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvconn.registry import load_backend
 from kvconn.testing.suite import require_or_skip
 from kvconn.tools.cli import main
+from kvconn.tools.devserver._process import HttpChild, TcpChild
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.devserver.redis import RedisServer
 
@@ -278,6 +280,25 @@ def test_a_start_interrupted_while_waiting_for_the_server_stops_it_before_the_in
         interrupter.join()
     assert not alive
     assert server.directory is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "where"),
+    [(TcpChild, {"host": "127.0.0.1", "port": 1}), (HttpChild, {"url": "http://127.0.0.1:1/"})],
+)
+def test_a_ctrl_c_during_the_readiness_check_stays_a_keyboard_interrupt(
+    kind: type[TcpChild | HttpChild], where: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mirakuru's check closes a socket that a Ctrl-C may have kept from existing; its
+    ``UnboundLocalError`` then hid the interrupt (a CI run of the test above)."""
+    child = kind(["true"], **where)
+
+    def interrupted(*args: object, **kwargs: object) -> socket.socket:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(socket, "socket", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        child.pre_start_check()
 
 
 def _ignores_sigterm(directory: Path) -> Path:

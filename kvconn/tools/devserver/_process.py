@@ -32,6 +32,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -132,11 +133,27 @@ class _DiesWithParent(SimpleExecutor):
         return kwargs
 
 
-class TcpChild(_DiesWithParent, TCPExecutor):
+class _PortCheck(TCPExecutor):
+    def pre_start_check(self) -> bool:
+        """Whether the port accepts connections (also mirakuru's readiness check).
+
+        mirakuru's own closes its socket in a ``finally``: a Ctrl-C that lands before
+        the socket exists turns into ``UnboundLocalError`` there, and the interrupt is
+        lost behind it (it failed a CI run of the interrupted-start test).
+        """
+        with socket.socket() as sock:
+            try:
+                sock.connect((self.host, self.port))
+            except OSError:  # TimeoutError too
+                return False
+            return True
+
+
+class TcpChild(_DiesWithParent, _PortCheck):
     """Ready once its port accepts connections."""
 
 
-class HttpChild(_DiesWithParent, HTTPExecutor):
+class HttpChild(_DiesWithParent, _PortCheck, HTTPExecutor):
     """Ready once its URL answers with the expected status."""
 
 
