@@ -435,7 +435,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._loads[req_id] = Transfer(req_id, hashes, table.slots(done, done + count))
             if self._shares_loads:
                 brings = [h for h in hashes if self._incoming.setdefault(h, req_id) == req_id]
-                self._brings[req_id] = brings
+                # Added to, not replaced: a claim still held stays released by _arrived.
+                self._brings.setdefault(req_id, []).extend(brings)
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
         before = self._tracked.get(req_id)  # a preempted request, resumed
