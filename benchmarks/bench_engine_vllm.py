@@ -24,6 +24,8 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 fresh engine's hit loads from the store, a repeat hit is vLLM's own;
                 its concurrency runs in an engine of its own, so the shared prefix
                 comes from the store, loaded once for requests that arrive together
+  kvconn-lmdb-bare  the same as kvconn-lmdb with ``checksum = "none"``: bare pages, for
+                a store the deployment trusts; what the checksum costs a load
   kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
@@ -145,6 +147,12 @@ CONFIGS = {
             prefix_caching=True,
             persistent=True,
         ),
+        Config(
+            "kvconn-lmdb-bare",
+            "kvconn, LMDB, no checksum",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
         Config("kvconn-redis", "kvconn, Redis", "TimedKvconnConnector", persistent=True),
         Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
@@ -159,7 +167,12 @@ LMDB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-lmdb-poll": {"idle_wait_s": 0},
     "kvconn-lmdb-thread": {"lookup_inline": False},
     "kvconn-lmdb-cached": {},  # vLLM's prefix cache on (Config.prefix_caching)
+    "kvconn-lmdb-bare": {"checksum": "none"},
 }
+
+#: Variants that answer one question each, run when named: a default run stays the
+#: connectors a deployment would choose between.
+ON_REQUEST = ("kvconn-lmdb-poll", "kvconn-lmdb-thread", "kvconn-lmdb-bare")
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
 #: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
@@ -199,7 +212,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tp", type=int, nargs="+", choices=(1, 2), default=[1, 2], help="TP sizes (1 2)"
     )
     parser.add_argument(
-        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG"
+        "--configs",
+        nargs="+",
+        choices=list(CONFIGS),
+        default=[c for c in CONFIGS if c not in ON_REQUEST],
+        metavar="CONFIG",
+        help=f"configurations (all but {', '.join(ON_REQUEST)}, which run when named)",
     )
     parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
