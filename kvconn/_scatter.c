@@ -5,6 +5,8 @@
  * gives the GIL up and wins it back for every piece, and inside an engine whose step loop
  * runs Python each win can wait for the interpreter's switch interval. One call per page
  * moves the same bytes with one release. See kvconn/movement.py (PageMover.scatter_page).
+ * Pieces of 4 KiB and more are written with streaming stores (copy_piece): a scatter then
+ * moves each pool byte once instead of twice (benchmarks/bench_load.py).
  *
  * The table is PageMover's: one row of four int64 per piece,
  *   [address of the piece in slot 0, bytes between slots, offset in the page, size],
@@ -16,6 +18,51 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Pieces at least this long are written with non-temporal stores (where the CPU has
+ * them): see copy_piece. */
+#define STREAM_MIN_BYTES 4096
+
+/* Copy one piece into the pool without reading the destination first.
+ *
+ * A plain memcpy of a piece this size writes through the cache: every destination line
+ * is first read from memory (a read-for-ownership), so a scatter moves each pool byte
+ * twice. glibc streams only copies larger than a fraction of the last-level cache,
+ * which a 32 KiB piece never is. Streaming stores write whole lines straight to memory;
+ * the pool's bytes are not read again until the forward pass reaches their layer, by
+ * which time a load of tens of MiB has left the cache anyway. The source (the page the
+ * checksum has just read) stays in cache either way.
+ */
+static void
+copy_piece(char *dst, const char *src, size_t size)
+{
+#if defined(__SSE2__)
+    if (size >= STREAM_MIN_BYTES) {
+        size_t head = (size_t)((16 - ((uintptr_t)dst & 15)) & 15);
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        size -= head;
+        size_t blocks = size / 64;
+        for (size_t i = 0; i < blocks; i++, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        memcpy(dst, src, size % 64);
+        return;
+    }
+#endif
+    memcpy(dst, src, size);
+}
 
 static PyObject *
 scatter_page(PyObject *self, PyObject *args)
@@ -53,8 +100,11 @@ scatter_page(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < pieces; i++) {
         const int64_t *row = rows + 4 * i;
         char *dst = (char *)(intptr_t)(row[0] + (int64_t)slot * row[1]);
-        memcpy(dst, src + row[2], (size_t)row[3]);
+        copy_piece(dst, src + row[2], (size_t)row[3]);
     }
+#if defined(__SSE2__)
+    _mm_sfence(); /* streamed stores are weakly ordered: visible before we return */
+#endif
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);

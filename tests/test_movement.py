@@ -19,9 +19,9 @@ def reference_gather(regions, pool, slots):
 
 
 @st.composite
-def interleaved(draw):
+def interleaved(draw, largest=40):
     num_slots = draw(st.integers(1, 6))
-    sizes = draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    sizes = draw(st.lists(st.integers(1, largest), min_size=1, max_size=6))
     gaps = draw(st.lists(st.integers(0, 5), min_size=len(sizes), max_size=len(sizes)))
     offsets, pos = [], draw(st.integers(0, 7))
     for size, gap in zip(sizes, gaps):
@@ -65,6 +65,19 @@ def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case, tail):
 @settings(max_examples=150, deadline=None)
 @given(interleaved())
 def test_a_lent_page_scatters_into_exactly_the_bytes_its_regions_name(case):
+    assert_lent_pages_scatter_exactly(case, 1)
+
+
+# Pieces of 4 KiB and more are written with streaming stores (kvconn/_scatter.c): pieces
+# either side of that size, at any alignment of page and pool, with any tail after the
+# last whole 64 bytes.
+@settings(max_examples=60, deadline=None)
+@given(interleaved(largest=9000), st.integers(0, 63))
+def test_a_lent_page_of_large_pieces_scatters_into_exactly_the_bytes_its_regions_name(case, skew):
+    assert_lent_pages_scatter_exactly(case, skew)
+
+
+def assert_lent_pages_scatter_exactly(case, skew):
     regions, pool_size, slots = case
     pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
     pages = reference_gather(regions, pool, slots)
@@ -72,7 +85,7 @@ def test_a_lent_page_scatters_into_exactly_the_bytes_its_regions_name(case):
     mover = PageMover(regions, [target], regions[0].num_slots)
     for slot, page in zip(slots, pages):
         # a lent value: read-only bytes at no particular alignment
-        mover.scatter_page(slot, memoryview(b"\x00" + page.numpy().tobytes())[1:])
+        mover.scatter_page(slot, memoryview(bytes(skew) + page.numpy().tobytes())[skew:])
     touched = torch.zeros(pool_size, dtype=torch.bool)
     for r in regions:
         for s in slots:
