@@ -18,6 +18,7 @@ Run from the repository root:
 
     python -m benchmarks.bench_load
     python -m benchmarks.bench_load --blocks 63 --trials 31 --contend
+    python -m benchmarks.bench_load --kv-heads 1     # a rank's share at TP=2
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ TOKENS = 32
 HEAD_DIM = 64
 
 
-def build(path: str, blocks: int) -> tuple[Connector, list[bytes], list[int]]:
+def build(
+    path: str, blocks: int, kv_heads: int = KV_HEADS
+) -> tuple[Connector, list[bytes], list[int]]:
     """A connector over one pool per layer (``[slots, K/V, heads, tokens, dim]`` fp32),
     with ``blocks`` blocks saved; the hashes, and the slots a load fills."""
     slots = 2 * blocks + 8
-    pools = [torch.randn(slots, 2, KV_HEADS, TOKENS, HEAD_DIM) for _ in range(LAYERS)]
+    pools = [torch.randn(slots, 2, kv_heads, TOKENS, HEAD_DIM) for _ in range(LAYERS)]
     regions = tuple(Region.from_tensor("kv", i, p, p, i) for i, p in enumerate(pools))
     layout = KvLayout(
         1,
         TOKENS,
-        (Role("kv", KV_HEADS, "float32+CPU_ATTN"),),
+        (Role("kv", kv_heads, "float32+CPU_ATTN"),),
         (LayerGroup(0, slots, regions),),
         tuple(p.numel() * p.element_size() for p in pools),
     )
@@ -68,11 +71,18 @@ def main() -> None:
     )
     parser.add_argument("--blocks", type=int, default=63, help="blocks per load (63)")
     parser.add_argument("--trials", type=int, default=31, help="interleaved trials (31)")
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=KV_HEADS,
+        help="KV heads a rank holds (2: TP=1; 1: a rank of TP=2, 16 KiB pieces)",
+    )
     parser.add_argument("--contend", action="store_true", help="also with a busy Python thread")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as path:
-        conn, hashes, slots = build(path, args.blocks)
-        nbytes = args.blocks * LAYERS * 2 * KV_HEADS * TOKENS * HEAD_DIM * 4
+        conn, hashes, slots = build(path, args.blocks, args.kv_heads)
+        piece = 2 * args.kv_heads * TOKENS * HEAD_DIM * 4
+        nbytes = args.blocks * LAYERS * piece
         src = ctypes.create_string_buffer(os.urandom(nbytes), nbytes)
         dst = ctypes.create_string_buffer(nbytes)
 
@@ -84,7 +94,8 @@ def main() -> None:
         variants = {"memcpy": lambda: ctypes.memmove(dst, src, nbytes), "load": load}
         print(
             f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.blocks} blocks of "
-            f"{LAYERS} layers x 32 KiB ({nbytes / 2**20:.0f} MiB), {args.trials} trials, medians"
+            f"{LAYERS} layers x {piece >> 10} KiB ({nbytes / 2**20:.0f} MiB), "
+            f"{args.trials} trials, medians"
         )
         runs = [("quiet", False)] + ([("busy Python thread", True)] if args.contend else [])
         for label, contend in runs:

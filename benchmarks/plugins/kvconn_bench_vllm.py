@@ -131,8 +131,9 @@ def _register_kv_caches(base: Any) -> Callable[..., Any]:
     worker that does the load, before any request: the same process, the same memory.
     It is timed from memory, as a hit's bytes are read: pages another engine stored
     seconds before, into slots the forward pass has since pushed out of every cache. A
-    copy between two buffers it just copied is 1.6-1.9x faster at 4-24 MiB, whose bytes
-    fit in this machine's 300 MiB last-level cache; that one is recorded too (``hot``).
+    copy between two buffers it just copied can be faster (1.6-1.9x at 4-24 MiB on a
+    machine with a 300 MiB last-level cache; about equal on one with 32 MiB); that one is
+    recorded too (``hot``).
     """
     call = base.register_kv_caches
 
