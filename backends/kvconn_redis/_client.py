@@ -26,6 +26,7 @@ Values of 64 KiB or more go out as the caller's memoryviews, without a join or a
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import weakref
@@ -57,6 +58,15 @@ __all__ = ["CLIENT_ERRORS", "Client", "ClusterClient", "ServerClient", "make_cli
 CLIENT_ERRORS = (rx.RedisError, rx.RedisClusterException, OSError)
 
 _SCAN_COUNT = 1000
+#: redis-py 8.2 runs a re-read of the slot map that an error asked for (a failed node,
+#: a run of ``MOVED``) at most once a second by default, on a later command. A store
+#: call has one attempt within its deadline, and the next call should route by the new
+#: map, as with earlier releases, which re-read at once: so no minimum interval.
+_REFRESH_AT_ONCE: dict[str, Any] = (
+    {"topology_refresh_min_interval": 0}
+    if "topology_refresh_min_interval" in inspect.signature(RedisCluster.__init__).parameters
+    else {}
+)
 #: Bytes every key of ours is made of (printable ASCII, no space): anything else in a
 #: listing was written by another program and is skipped, never decoded blindly.
 _KEY_BYTES = bytes(range(0x21, 0x7F))
@@ -131,8 +141,8 @@ class _Commands:
         """The order to queue a batch in (None: as given); see :class:`ClusterClient`."""
         return None
 
-    def _after_batch(self) -> None:
-        """Housekeeping once a batch is done; see :class:`ClusterClient`."""
+    def _after_batch(self, pipe: Any) -> None:
+        """Housekeeping once ``pipe``'s batch is done; see :class:`ClusterClient`."""
 
     def _run(self, command: str, keys: Sequence[str], values: Sequence[Any] = ()) -> list[Any]:
         """``command key [value] *tail`` per key as one pipeline; replies in ``keys`` order."""
@@ -148,7 +158,7 @@ class _Commands:
             for i in order if order is not None else range(len(keys)):
                 queue(command, prefix + keys[i])
         replies = list(pipe.execute(raise_on_error=False))
-        self._after_batch()
+        self._after_batch(pipe)
         if order is None:
             return replies
         out: list[Any] = [None] * len(keys)
@@ -405,7 +415,7 @@ class ClusterClient(_Commands):
             self._pools.add(pool)
         return pool
 
-    def _after_batch(self) -> None:
+    def _after_batch(self, pipe: Any) -> None:
         """Close the connections of pools no node table uses any more, once idle.
 
         redis-py replaces its node table when it re-reads the map (after ``MOVED``, or a
@@ -426,15 +436,19 @@ class ClusterClient(_Commands):
             return
         manager = cluster.nodes_manager
         moved = getattr(cluster, "reinitialize_counter", 0)
+        # redis-py 8.2 and later follow a MOVED inside the pipeline and count it there
+        # (a new pipeline's count starts at 0), not on the client as before.
+        moved_here = getattr(pipe, "reinitialize_counter", 0)
         if (
-            manager.nodes_cache is self._nodes_seen
+            not moved_here
+            and manager.nodes_cache is self._nodes_seen
             and moved == self._moved_seen
             and not self._retired
         ):
             return
         with self._seen_lock:
             nodes = manager.nodes_cache
-            if nodes is not self._nodes_seen or moved != self._moved_seen:
+            if moved_here or nodes is not self._nodes_seen or moved != self._moved_seen:
                 self._nodes_seen, self._moved_seen = nodes, moved
                 # A MOVED rewrites slots in place and leaves the node that gave them up
                 # in the table until redis-py re-reads the map (every few MOVEDs): a
@@ -464,6 +478,7 @@ class ClusterClient(_Commands):
             # Redirections are followed regardless; a failed node is not retried
             # within a call (the deadline would end it anyway), only at the next call.
             retry=Retry(NoBackoff(), 0),
+            **_REFRESH_AT_ONCE,
             **_connection_options(config),
         )
 

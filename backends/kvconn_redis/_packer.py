@@ -35,7 +35,8 @@ class Packer:
     def __init__(self) -> None:
         encode = Encoder("utf-8", "strict", False).encode  # type: ignore[no-untyped-call]
         self._as_is = PythonRespSerializer(_CUTOFF, encode)
-        self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._as_is
+        # typed in redis-py 8.1, untyped in 8.2
+        self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._as_is  # type: ignore[no-untyped-call]
 
     def pack(self, *args: Any) -> list[Any]:
         for arg in args:
