@@ -1,4 +1,4 @@
-"""A connector's whole load from LMDB, as copies of its bytes, outside any engine.
+"""A connector's whole load from LMDB or Redis, as copies of its bytes, outside any engine.
 
 The geometry is the vLLM benchmark's (``bench_engine_vllm.py``): Qwen2.5-0.5B's 24
 layers in vLLM's CPU layout, one pool per layer holding K and V of a block as one 32 KiB
@@ -7,6 +7,10 @@ piece, and a 2,048-token hit of 63 blocks (63 pages of 768 KiB, 47 MiB). The loa
 every page's checksum, the scatter into the 24 pools); the baseline is a ``memcpy`` of
 the same payload bytes between two buffers touched beforehand. Every trial times each
 variant once, in a new shuffled order; the figures are medians, the ratio is of medians.
+
+``--backend redis`` loads from a ``redis-server`` on loopback that the benchmark starts
+and stops (the staging path: values arrive over a socket, are copied where the load
+verifies them, then scattered); the default is LMDB (pages lent from its map).
 
 ``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
 only every thousand iterations, as an engine's step loop does between its calls: a load
@@ -19,11 +23,13 @@ Run from the repository root:
     python -m benchmarks.bench_load
     python -m benchmarks.bench_load --blocks 63 --trials 31 --contend
     python -m benchmarks.bench_load --kv-heads 1     # a rank's share at TP=2
+    python -m benchmarks.bench_load --backend redis --contend
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import tempfile
@@ -35,6 +41,7 @@ import torch
 from benchmarks.bench_movement import interleaved_medians
 from kvconn import Connector
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.tools.devserver.redis import RedisServer
 
 LAYERS = 24
 KV_HEADS = 2
@@ -43,10 +50,15 @@ HEAD_DIM = 64
 
 
 def build(
-    path: str, blocks: int, kv_heads: int = KV_HEADS
+    path: str,
+    blocks: int,
+    kv_heads: int = KV_HEADS,
+    backend: tuple[str, dict[str, object]] | None = None,
 ) -> tuple[Connector, list[bytes], list[int]]:
     """A connector over one pool per layer (``[slots, K/V, heads, tokens, dim]`` fp32),
-    with ``blocks`` blocks saved; the hashes, and the slots a load fills."""
+    with ``blocks`` blocks saved; the hashes, and the slots a load fills.
+
+    ``backend`` is a backend's name and options; by default LMDB at ``path``."""
     slots = 2 * blocks + 8
     pools = [torch.randn(slots, 2, kv_heads, TOKENS, HEAD_DIM) for _ in range(LAYERS)]
     regions = tuple(Region.from_tensor("kv", i, p, p, i) for i, p in enumerate(pools))
@@ -57,7 +69,8 @@ def build(
         (LayerGroup(0, slots, regions),),
         tuple(p.numel() * p.element_size() for p in pools),
     )
-    config = {"model": "bench-load", "backend": "lmdb", "options": {"path": path}}
+    name, options = backend if backend is not None else ("lmdb", {"path": path})
+    config = {"model": "bench-load", "backend": name, "options": options}
     conn = Connector(config, layout, pools=[p.view(-1).view(torch.uint8) for p in pools])
     hashes = [i.to_bytes(16, "little") for i in range(1, blocks + 1)]
     if conn.save(hashes, list(range(blocks))).written != blocks:
@@ -77,10 +90,21 @@ def main() -> None:
         default=KV_HEADS,
         help="KV heads a rank holds (2: TP=1; 1: a rank of TP=2, 16 KiB pieces)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("lmdb", "redis"),
+        default="lmdb",
+        help="the store to load from (lmdb; redis: a redis-server this benchmark starts)",
+    )
     parser.add_argument("--contend", action="store_true", help="also with a busy Python thread")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as path:
-        conn, hashes, slots = build(path, args.blocks, args.kv_heads)
+    with contextlib.ExitStack() as stack:
+        path = stack.enter_context(tempfile.TemporaryDirectory())
+        backend = None
+        if args.backend == "redis":
+            server = stack.enter_context(RedisServer())
+            backend = ("redis", dict(server.options))
+        conn, hashes, slots = build(path, args.blocks, args.kv_heads, backend)
         piece = 2 * args.kv_heads * TOKENS * HEAD_DIM * 4
         nbytes = args.blocks * LAYERS * piece
         src = ctypes.create_string_buffer(os.urandom(nbytes), nbytes)
@@ -93,9 +117,9 @@ def main() -> None:
 
         variants = {"memcpy": lambda: ctypes.memmove(dst, src, nbytes), "load": load}
         print(
-            f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.blocks} blocks of "
-            f"{LAYERS} layers x {piece >> 10} KiB ({nbytes / 2**20:.0f} MiB), "
-            f"{args.trials} trials, medians"
+            f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.backend}; "
+            f"{args.blocks} blocks of {LAYERS} layers x {piece >> 10} KiB "
+            f"({nbytes / 2**20:.0f} MiB), {args.trials} trials, medians"
         )
         runs = [("quiet", False)] + ([("busy Python thread", True)] if args.contend else [])
         for label, contend in runs:

@@ -541,7 +541,8 @@ def test_a_key_that_holds_no_string_fails_as_unreadable_and_the_rest_of_the_batc
     cluster: bool, request: pytest.FixtureRequest
 ) -> None:
     """A list under a page's key is stored but can never load: ``WRONG_SIZE``, so the
-    connector deletes it and the next save writes the page."""
+    connector deletes it and the next save writes the page. Borrowed, it is an empty
+    view (stored, never a page), not ``None`` (absent), for the same reason."""
     store: Any = request.getfixturevalue("redis_cluster" if cluster else "redis_server")
     prefix = f"wrongtype/{time.monotonic_ns()}/"
     backend = _open({**store.options, "key_prefix": prefix})
@@ -559,6 +560,8 @@ def test_a_key_that_holds_no_string_fails_as_unreadable_and_the_rest_of_the_batc
         ReadStatus.LOADED,
     ]
     assert bufs == [b"aaa", b"\xee" * 3, b"ccc"]
+    with backend.borrow(["a", "b", "c", "absent"]) as views:
+        assert [None if v is None else bytes(v) for v in views] == [b"aaa", b"", b"ccc", None]
     backend.close()
 
 

@@ -27,7 +27,10 @@ What kvconn adds around it:
   (:mod:`kvconn_redis._transport`): ``redis://`` at a TLS port, ``rediss://`` at a plain
   one, a missing client certificate are configuration errors, not an outage;
 * values sent from the caller's buffers without a join, and each fetched value copied
-  once into the caller's buffer after its size was checked.
+  once into the caller's buffer after its size was checked, or not at all when the
+  caller borrows the values (``borrow``, ``Capabilities.borrowed_reads``): a load then
+  verifies each page where redis-py parsed it and scatters it into the KV pool from
+  there, one copy of the bytes fewer.
 
 Threads: one backend may be called from several threads at once
 (``Capabilities.thread_safe``). redis-py's clients and pools are made to be shared: each
@@ -67,6 +70,7 @@ Options (keyword arguments; ``load_backend("redis", {...})``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -89,8 +93,11 @@ class RedisBackend(Backend):
     name: ClassVar[str] = "redis"
     extra: ClassVar[str | None] = "redis"
     client_modules: ClassVar[tuple[str, ...]] = ("redis",)
-    #: thread_safe: see the module docstring (Threads).
-    capabilities: ClassVar[Capabilities] = Capabilities(delete=True, listing=True, thread_safe=True)
+    #: thread_safe: see the module docstring (Threads). borrowed_reads: the values of a
+    #: read are this process's own ``bytes`` until the borrow ends (``_borrow``).
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        delete=True, listing=True, thread_safe=True, borrowed_reads=True
+    )
 
     def __init__(
         self,
@@ -219,6 +226,30 @@ class RedisBackend(Backend):
         """``MISSING`` (absent) or ``WRONG_SIZE`` (another length, or not a string) per
         key that did not load; a server that cannot be asked raises, as for every call."""
         return self._call("get", self._client.read, keys, buffers, True)
+
+    @contextlib.contextmanager
+    def _borrow(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
+        """Views of the values one ``MGET`` brought, lent until the block ends.
+
+        The values are ``bytes`` that redis-py made for this call alone, so nothing
+        another client writes, deletes or evicts meanwhile can change them. A key
+        holding no string is lent as an empty view: stored but never a page, so the
+        load counts it as unreadable and the connector deletes it, as after a ``get``
+        asked why. The views are released when the block ends, as LMDB's are, so that
+        a caller keeping one finds out on either store.
+        """
+        values = self._call("get", self._client.fetch, keys, True)
+        views = [
+            None if value is None else memoryview(value if isinstance(value, bytes) else b"")
+            for value in values
+        ]
+        try:
+            yield views
+        finally:
+            for view in views:
+                if view is not None:
+                    with contextlib.suppress(BufferError):  # exported: the bytes stay alive
+                        view.release()
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._call("delete", self._client.delete, keys)

@@ -9,9 +9,10 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
   writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
   server is full and may not evict) fails only that key: a dropped save.
-* ``read`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
-  one slot); each value is checked against its buffer's size and then copied into it
-  once. A value of another size, or a key that holds no string, fails and its buffer
+* ``fetch`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
+  one slot): the values as redis-py parsed them, which the backend lends (``borrow``).
+* ``read`` — ``fetch``, then each value is checked against its buffer's size and copied
+  into it once. A value of another size, or a key that holds no string, fails and its buffer
   stays untouched. Asked why (``explain``), a key that did not load is ``MISSING`` or
   ``WRONG_SIZE`` (stored but unreadable: the connector deletes it). ``MGET`` answers nil
   both for an absent key and for one holding a list or a hash, so on a server the nil
@@ -21,7 +22,8 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
   "absent".
 
 Values of 64 KiB or more go out as the caller's memoryviews, without a join or a copy
-(:mod:`kvconn_redis._packer`).
+(:mod:`kvconn_redis._packer`). Replies come in through a 1 MiB read buffer per
+connection (``_READ_SIZE``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ _REFRESH_AT_ONCE: dict[str, Any] = (
     if "topology_refresh_min_interval" in inspect.signature(RedisCluster.__init__).parameters
     else {}
 )
+#: Bytes a connection asks of its socket per read (redis-py's ``socket_read_size``;
+#: 64 KiB by default). Each read lets the GIL go and must win it back, and in an
+#: engine's process the thread that holds it meanwhile may keep it for a while: a
+#: 47 MiB load from a local server took 1.5x as long beside a busy Python thread with
+#: 64 KiB reads, 1.35x with 1 MiB ones (``benchmarks/bench_load.py --backend redis
+#: --contend``). The cost is the buffer, once per pooled connection.
+_READ_SIZE = 1 << 20
+
+
+class _NotAString:
+    """``fetch``'s answer for a key that holds something other than a string."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_A_STRING"
+
+
+#: A key stored as a list, a hash, ...: stored, but no page can ever be read from it.
+NOT_A_STRING = _NotAString()
+#: A key's answer to ``fetch``: its value, ``NOT_A_STRING``, or ``None`` (absent).
+Fetched = bytes | _NotAString | None
 #: Bytes every key of ours is made of (printable ASCII, no space): anything else in a
 #: listing was written by another program and is skipped, never decoded blindly.
 _KEY_BYTES = bytes(range(0x21, 0x7F))
@@ -80,6 +104,8 @@ class Client(Protocol):
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
 
     def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
+
+    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]: ...
 
     def read(
         self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
@@ -104,6 +130,7 @@ def _connection_options(config: RedisConfig) -> dict[str, Any]:
         "socket_timeout": config.timeout_s,
         "socket_connect_timeout": config.connect_timeout_s,
         "max_connections": config.max_connections,
+        "socket_read_size": _READ_SIZE,
     }
     if config.unix_path is None:
         options["socket_keepalive"] = True
@@ -191,24 +218,28 @@ class _Commands:
             out.append(True)  # OK: stored; nil: already present, left untouched
         return out
 
-    def fill(self, replies: Sequence[Any], buffers: Sequence[memoryview]) -> list[ReadStatus]:
-        """Copy each value into its buffer when the sizes match; errors raise first.
+    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]:
+        """Each key's value, ``None`` when absent, or :data:`NOT_A_STRING`; errors raise.
 
-        A server answers every key it was asked about, so a key that did not load is
-        either absent or stored as something its buffer cannot take: never "stored but
-        unreachable" (a connection failure raises for the whole call).
+        A server answers every key it was asked about, so a key with no value is either
+        absent or stored as something no buffer can take: never "stored but
+        unreachable" (a connection failure raises for the whole call). ``explain``: tell
+        those two apart where the server's answer does not (``MGET``; see ServerClient).
         """
-        for reply in replies:
-            if isinstance(reply, Exception) and error_code(reply) != "WRONGTYPE":
-                raise reply_error(reply, self.config, "get")
+        raise NotImplementedError
+
+    def read(
+        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
+    ) -> list[ReadStatus]:
+        """Copy each value into its buffer when the sizes match; see :meth:`fetch`."""
         out = []
-        for value, buffer in zip(replies, buffers):
-            if value is None:  # absent (or, from MGET, not a string: see ServerClient)
+        for value, buffer in zip(self.fetch(keys, explain), buffers):
+            if value is None:
                 out.append(ReadStatus.MISSING)
             elif isinstance(value, bytes) and len(value) == buffer.nbytes:
                 buffer[:] = value
                 out.append(ReadStatus.LOADED)
-            else:  # another size, or not a string (WRONGTYPE)
+            else:  # another size, or not a string
                 out.append(ReadStatus.WRONG_SIZE)
         return out
 
@@ -316,17 +347,14 @@ class ServerClient(_Commands):
             )
         self._check_probe(probe, key_prefix)
 
-    def read(
-        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
-    ) -> list[ReadStatus]:
+    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]:
         prefix = self.prefix
         try:
-            values = self._redis.execute_command(  # type: ignore[no-untyped-call]
+            values: list[Fetched] = self._redis.execute_command(  # type: ignore[no-untyped-call]
                 "MGET", *[prefix + key for key in keys]
             )
         except rx.ResponseError as exc:
             raise reply_error(exc, self.config, "get") from exc
-        statuses = self.fill(values, buffers)
         nil = [i for i, value in enumerate(values) if value is None] if explain else []
         if nil:
             # MGET's nil is also its answer for a key holding a list or a hash: such a
@@ -335,8 +363,8 @@ class ServerClient(_Commands):
             # wrong byte, as in the connector's own check.)
             for i, there in zip(nil, self.exists([keys[i] for i in nil])):
                 if there:
-                    statuses[i] = ReadStatus.WRONG_SIZE
-        return statuses
+                    values[i] = NOT_A_STRING
+        return values
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         return _scan(self, self._redis, prefix, set())
@@ -523,11 +551,16 @@ class ClusterClient(_Commands):
         self._probe(pipe, key_prefix)
         self._check_probe(pipe.execute(raise_on_error=False), key_prefix)
 
-    def read(
-        self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
-    ) -> list[ReadStatus]:
+    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]:
         # GET answers WRONGTYPE for a key holding no string: nil is only ever absent.
-        return self.fill(self._run("GET", keys), buffers)
+        values: list[Fetched] = []
+        for reply in self._run("GET", keys):
+            if isinstance(reply, Exception):
+                if error_code(reply) != "WRONGTYPE":
+                    raise reply_error(reply, self.config, "get")
+                reply = NOT_A_STRING
+            values.append(reply)
+        return values
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         cluster = self._client()
