@@ -3,14 +3,15 @@
 The geometry is the vLLM benchmark's (``bench_engine_vllm.py``): Qwen2.5-0.5B's 24
 layers in vLLM's CPU layout, one pool per layer holding K and V of a block as one 32 KiB
 piece, and a 2,048-token hit of 63 blocks (63 pages of 768 KiB, 47 MiB). The load is
-``Connector.load`` as an engine's load thread calls it (keys, one read transaction,
-every page's checksum, the scatter into the 24 pools); the baseline is a ``memcpy`` of
+``Connector.load`` as an engine's load thread calls it (keys, the store's read, every
+page's checksum, the scatter into the 24 pools); the baseline is a ``memcpy`` of
 the same payload bytes between two buffers touched beforehand. Every trial times each
 variant once, in a new shuffled order; the figures are medians, the ratio is of medians.
 
-``--backend redis`` loads from a ``redis-server`` on loopback that the benchmark starts
-and stops (the staging path: values arrive over a socket, are copied where the load
-verifies them, then scattered); the default is LMDB (pages lent from its map).
+The default store is LMDB, whose read is one read transaction lending pages from its
+map. ``--backend redis`` loads from a ``redis-server`` on loopback that the benchmark
+starts and stops: one ``MGET`` per chunk, whose replies redis-py parses into ``bytes``
+that the backend lends the same way.
 
 ``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
 only every thousand iterations, as an engine's step loop does between its calls: a load

@@ -59,7 +59,8 @@ class Capabilities:
     #: to a backend that does not declare this (one lock per backend object).
     thread_safe: bool = False
     #: borrow() lends read-only views of stored values where the store holds them (an
-    #: embedded store's memory map), saving the copy into staging that get() makes.
+    #: embedded store's memory map, a client's parsed replies), saving the copy into
+    #: staging that get() makes.
     borrowed_reads: bool = False
     #: exists() answers from this host's memory or disk, never across a network (an
     #: embedded store), so a scheduler asks it on its own thread: a hand-off to a

@@ -1,13 +1,13 @@
 """A chunk's load from values the store lends: each page verified, then scattered at once.
 
-A store that holds values in this process's memory (LMDB's map) lends them
-(``Backend.borrow``), so a load needs no staging copy. Verifying every page of a chunk
-and only then scattering them reads each page twice from memory: a chunk is tens of
-MiB, far more than a core's cache, so by the time the scatter reaches a page the
-checksum pass has pushed it out. Here each block's pages are verified and, if the block
-may load, scattered straight after, while the page is still in cache: the second read
-costs little, and a verified load moves about one copy of the bytes plus the checksum
-(``benchmarks/bench_lmdb.py``: "load (b)" against "load (b')").
+A store that holds values in this process's memory (LMDB's map; the replies redis-py has
+just parsed) lends them (``Backend.borrow``), so a load needs no staging copy. Verifying
+every page of a chunk and only then scattering them reads each page twice from memory: a
+chunk is tens of MiB, far more than a core's cache, so by the time the scatter reaches a
+page the checksum pass has pushed it out. Here each block's pages are verified and, if
+the block may load, scattered straight after, while the page is still in cache: the
+second read costs little, and a verified load moves about one copy of the bytes plus the
+checksum (``benchmarks/bench_lmdb.py``: "load (b)" against "load (b')").
 
 The rule stays the one every load follows (the connector's rule 5): a block loads only
 if every page it needs arrived whole and passed its checksum, the first block that did

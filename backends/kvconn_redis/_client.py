@@ -72,9 +72,9 @@ _REFRESH_AT_ONCE: dict[str, Any] = (
 #: Bytes a connection asks of its socket per read (redis-py's ``socket_read_size``;
 #: 64 KiB by default). Each read lets the GIL go and must win it back, and in an
 #: engine's process the thread that holds it meanwhile may keep it for a while: a
-#: 47 MiB load from a local server took 1.5x as long beside a busy Python thread with
-#: 64 KiB reads, 1.35x with 1 MiB ones (``benchmarks/bench_load.py --backend redis
-#: --contend``). The cost is the buffer, once per pooled connection.
+#: 47 MiB load from a local server took 1.5-1.7x as long beside a busy Python thread as
+#: alone with 64 KiB reads, 1.3-1.4x with 1 MiB ones (``benchmarks/bench_load.py
+#: --backend redis --contend``). The cost is the buffer, once per pooled connection.
 _READ_SIZE = 1 << 20
 
 
