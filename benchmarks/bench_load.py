@@ -17,7 +17,11 @@ that the backend lends the same way.
 only every thousand iterations, as an engine's step loop does between its calls: a load
 that gives up the GIL for each copy must win it back each time, so this shows how much a
 load depends on the rest of the process (inside vLLM, the load work is measured by
-``bench_engine_vllm.py``'s ``inside`` figure).
+``bench_engine_vllm.py``'s ``inside`` figure). ``--hog`` repeats it with a thread that
+never lets the GIL go by itself, only when the interpreter makes it (every
+``sys.getswitchinterval()``, 5 ms): the worst an engine's thread can do to a load, each
+of whose releases of the GIL (a socket read, a page's checksum, its scatter) then costs
+up to that interval.
 
 Run from the repository root:
 
@@ -25,6 +29,7 @@ Run from the repository root:
     python -m benchmarks.bench_load --blocks 63 --trials 31 --contend
     python -m benchmarks.bench_load --kv-heads 1     # a rank's share at TP=2
     python -m benchmarks.bench_load --backend redis --contend
+    python -m benchmarks.bench_load --backend redis --hog --trials 7
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -98,6 +104,9 @@ def main() -> None:
         help="the store to load from (lmdb; redis: a redis-server this benchmark starts)",
     )
     parser.add_argument("--contend", action="store_true", help="also with a busy Python thread")
+    parser.add_argument(
+        "--hog", action="store_true", help="also with a thread that never lets the GIL go itself"
+    )
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         path = stack.enter_context(tempfile.TemporaryDirectory())
@@ -122,12 +131,15 @@ def main() -> None:
             f"{args.blocks} blocks of {LAYERS} layers x {piece >> 10} KiB "
             f"({nbytes / 2**20:.0f} MiB), {args.trials} trials, medians"
         )
-        runs = [("quiet", False)] + ([("busy Python thread", True)] if args.contend else [])
-        for label, contend in runs:
+        runs: list[tuple[str, Callable[[threading.Event], None] | None]] = [("quiet", None)]
+        if args.contend:
+            runs.append(("busy Python thread", _spin))
+        if args.hog:
+            runs.append(("GIL-holding thread", _hog))
+        for label, other in runs:
             stop = threading.Event()
-            spinner = threading.Thread(target=_spin, args=(stop,), daemon=True)
-            if contend:
-                spinner.start()
+            if other is not None:
+                threading.Thread(target=other, args=(stop,), daemon=True).start()
             try:
                 med = interleaved_medians(variants, args.trials)
             finally:
@@ -145,6 +157,12 @@ def _spin(stop: threading.Event) -> None:
         n += 1
         if n % 1000 == 0:
             time.sleep(0)
+
+
+def _hog(stop: threading.Event) -> None:
+    n = 0
+    while not stop.is_set():
+        n += 1
 
 
 if __name__ == "__main__":
