@@ -1,10 +1,11 @@
-/* kvconn._scatter: write one page's pieces into a CPU pool slot with the GIL let go once.
+/* kvconn._scatter: write pages' pieces into CPU pool slots with the GIL let go once.
  *
  * A page lent by a store (LMDB's map) goes into a slot as one piece per run of its kind:
  * 24 pieces for a 24-layer model in vLLM's layout. Copying them one numpy call at a time
  * gives the GIL up and wins it back for every piece, and inside an engine whose step loop
  * runs Python each win can wait for the interpreter's switch interval. One call per page
- * moves the same bytes with one release. See kvconn/movement.py (PageMover.scatter_page).
+ * moves the same bytes with one release, and scatter_pages moves several pages (of any
+ * pools) with one release. See kvconn/movement.py (PageMover.scatter_page, scatter_lent).
  * Pieces of 4 KiB and more are written with streaming stores (copy_piece): a scatter then
  * moves each pool byte once instead of twice (benchmarks/bench_load.py).
  *
@@ -64,6 +65,57 @@ copy_piece(char *dst, const char *src, size_t size)
     memcpy(dst, src, size);
 }
 
+/* Whether a page's table and slot are sound: every piece inside the page, the slot inside
+ * the pool. -1 with an exception set if not. */
+static int
+check_page(const Py_buffer *page, Py_ssize_t slot, Py_ssize_t num_slots, const Py_buffer *table)
+{
+    if (table->len % (Py_ssize_t)(4 * sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter table of %zd bytes is not rows of four int64", table->len);
+        return -1;
+    }
+    if (slot < 0 || slot >= num_slots) {
+        PyErr_Format(PyExc_IndexError, "slot %zd is outside the pool's %zd slots", slot,
+                     num_slots);
+        return -1;
+    }
+    const int64_t *rows = (const int64_t *)table->buf;
+    Py_ssize_t pieces = table->len / (Py_ssize_t)(4 * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < pieces; i++) {
+        int64_t offset = rows[4 * i + 2], size = rows[4 * i + 3];
+        if (offset < 0 || size < 0 || offset > page->len || size > page->len - offset) {
+            PyErr_Format(PyExc_ValueError,
+                         "piece %zd (bytes %lld..%lld) lies outside a page of %zd bytes", i,
+                         (long long)offset, (long long)(offset + size), page->len);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Copy a checked page's pieces into its slot; runs without the GIL. */
+static void
+copy_page(const Py_buffer *page, Py_ssize_t slot, const Py_buffer *table)
+{
+    const int64_t *rows = (const int64_t *)table->buf;
+    Py_ssize_t pieces = table->len / (Py_ssize_t)(4 * sizeof(int64_t));
+    const char *src = (const char *)page->buf;
+    for (Py_ssize_t i = 0; i < pieces; i++) {
+        const int64_t *row = rows + 4 * i;
+        char *dst = (char *)(intptr_t)(row[0] + (int64_t)slot * row[1]);
+        copy_piece(dst, src + row[2], (size_t)row[3]);
+    }
+}
+
+static void
+fence(void)
+{
+#if defined(__SSE2__)
+    _mm_sfence(); /* streamed stores are weakly ordered: visible before we return */
+#endif
+}
+
 static PyObject *
 scatter_page(PyObject *self, PyObject *args)
 {
@@ -74,49 +126,82 @@ scatter_page(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    if (table.len % (Py_ssize_t)(4 * sizeof(int64_t)) != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "scatter table of %zd bytes is not rows of four int64", table.len);
+    if (check_page(&page, slot, num_slots, &table) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_page(&page, slot, &table);
+        fence();
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&page);
+    PyBuffer_Release(&table);
+    return result;
+}
+
+/* One page of scatter_pages, held until the call ends. */
+typedef struct {
+    Py_buffer page, table;
+    Py_ssize_t slot;
+} Job;
+
+static PyObject *
+scatter_pages(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    PyObject *seq = PySequence_Fast(arg, "scatter_pages takes a sequence of pages");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), held = 0;
+    Job *jobs = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(Job));
+    PyObject *result = NULL;
+    if (jobs == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
-    if (slot < 0 || slot >= num_slots) {
-        PyErr_Format(PyExc_IndexError, "slot %zd is outside the pool's %zd slots", slot,
-                     num_slots);
-        goto done;
-    }
-    const int64_t *rows = (const int64_t *)table.buf;
-    Py_ssize_t pieces = table.len / (Py_ssize_t)(4 * sizeof(int64_t));
-    for (Py_ssize_t i = 0; i < pieces; i++) {
-        int64_t offset = rows[4 * i + 2], size = rows[4 * i + 3];
-        if (offset < 0 || size < 0 || offset > page.len || size > page.len - offset) {
-            PyErr_Format(PyExc_ValueError,
-                         "piece %zd (bytes %lld..%lld) lies outside a page of %zd bytes", i,
-                         (long long)offset, (long long)(offset + size), page.len);
+    for (; held < n; held++) {
+        Job *job = &jobs[held];
+        Py_ssize_t num_slots;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, held);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError,
+                         "page %zd of scatter_pages is not a (page, slot, num_slots, table) tuple",
+                         held);
+            goto done;
+        }
+        if (!PyArg_ParseTuple(item, "y*nny*", &job->page, &job->slot, &num_slots,
+                              &job->table)) {
+            goto done;
+        }
+        if (check_page(&job->page, job->slot, num_slots, &job->table) < 0) {
+            held++; /* its buffers are held: release them too */
             goto done;
         }
     }
-    const char *src = (const char *)page.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < pieces; i++) {
-        const int64_t *row = rows + 4 * i;
-        char *dst = (char *)(intptr_t)(row[0] + (int64_t)slot * row[1]);
-        copy_piece(dst, src + row[2], (size_t)row[3]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        copy_page(&jobs[i].page, jobs[i].slot, &jobs[i].table);
     }
-#if defined(__SSE2__)
-    _mm_sfence(); /* streamed stores are weakly ordered: visible before we return */
-#endif
+    fence();
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&page);
-    PyBuffer_Release(&table);
+    for (Py_ssize_t i = 0; jobs != NULL && i < held; i++) {
+        PyBuffer_Release(&jobs[i].page);
+        PyBuffer_Release(&jobs[i].table);
+    }
+    PyMem_Free(jobs);
+    Py_DECREF(seq);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"scatter_page", scatter_page, METH_VARARGS,
      "scatter_page(page, slot, num_slots, table): copy a page's pieces into a pool slot."},
+    {"scatter_pages", scatter_pages, METH_O,
+     "scatter_pages(pages): scatter_page for each (page, slot, num_slots, table), at once."},
     {NULL, NULL, 0, NULL},
 };
 

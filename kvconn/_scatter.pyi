@@ -1,3 +1,6 @@
+from collections.abc import Sequence
+
 from typing_extensions import Buffer
 
 def scatter_page(page: Buffer, slot: int, num_slots: int, table: bytes, /) -> None: ...
+def scatter_pages(pages: Sequence[tuple[Buffer, int, int, bytes]], /) -> None: ...

@@ -59,6 +59,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.errors import ConfigError, ConnectorClosed, LayoutError
 from kvconn.gate import Gate
 from kvconn.group import TpGroup
+from kvconn.integrity import PageChecksum
 from kvconn.layout import NO_SLOT
 from kvconn.lent_load import lent_statuses, verify_and_scatter
 from kvconn.lookup import Lookup, PageKeys, check_hashes
@@ -585,8 +586,14 @@ class Connector:
             rows.copy_(on_device, non_blocking=True)
 
     def _put_values(self, pages: Sequence[_Page], values: Sequence[memoryview]) -> list[bool]:
+        # one call per scheme (one per save in practice): it lets the GIL go once
+        batches: dict[PageChecksum, tuple[list[memoryview], list[str]]] = {}
         for page, value in zip(pages, values):
-            self.shares[page.share].plan.checksum.seal([value], [page.key])
+            batch = batches.setdefault(self.shares[page.share].plan.checksum, ([], []))
+            batch[0].append(value)
+            batch[1].append(page.key)
+        for checksum, (sealed, keys) in batches.items():
+            checksum.seal(sealed, keys)
         return self._put([p.key for p in pages], values)
 
     def _put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]:

@@ -209,9 +209,24 @@ class PageMover:
         win it back 24 times a page for a 24-layer model, each time waiting on whatever
         else the engine's process runs (``benchmarks/bench_load.py --contend``).
         """
+        _scatter.scatter_page(*self.lent_page(slot, page))
+
+    def lent_page(self, slot: int, page: memoryview) -> LentPage:
+        """:meth:`scatter_page`'s work as a :data:`LentPage`, for :func:`scatter_lent`."""
         if self._piece_table is None:
             raise ValueError("scatter_page moves bytes into CPU pools only")
-        _scatter.scatter_page(page, slot, self.num_slots, self._piece_table)
+        return (page, slot, self.num_slots, self._piece_table)
+
+
+#: One lent page bound for a CPU pool slot: the page, its slot, the pool's slot count,
+#: and its mover's piece table (:meth:`PageMover.lent_page`).
+LentPage = tuple[memoryview, int, int, bytes]
+
+
+def scatter_lent(pages: Sequence[LentPage]) -> None:
+    """Write lent pages into their slots (of any pools) in one call that lets the GIL go
+    once: a load scatters a few blocks' pages at a time (:mod:`kvconn.lent_load`)."""
+    _scatter.scatter_pages(pages)
 
 
 def flat_bytes(pool: torch.Tensor) -> torch.Tensor:

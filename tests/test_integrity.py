@@ -17,17 +17,21 @@ from typing import Any
 import lmdb
 import pytest
 import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvconn import _checksum, integrity
 from kvconn.backend import Backend
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.errors import BackendUnavailable, ConfigError
 from kvconn.hashing import block_hashes
-from kvconn.integrity import NONE, XXH3_64, PageChecksum
+from kvconn.integrity import NO_NATIVE_ENV, NONE, XXH3_64, PageChecksum
 from kvconn.keys import key_prefix, parse_key, parse_manifest_key
 from kvconn.plan import WriterPolicy, plan_pages, share_key
 from kvconn.registry import backend_class, load_backend
-from kvconn.testing.suite import require_or_skip
+from kvconn.testing.suite import in_ci, require_or_skip
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.devserver.redis import RedisServer
 from kvconn.tools.models import minimax_m3
@@ -84,7 +88,22 @@ def truncated(value: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------- the checksum itself
-def test_a_sealed_value_verifies_under_its_own_key_only():
+@pytest.fixture(params=["native", "package"])
+def checksum_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each checksum test on both paths: batches in ``kvconn._checksum`` (the default,
+    which CI must have), and the ``xxhash`` package one page at a time."""
+    if request.param == "package":
+        monkeypatch.setenv(NO_NATIVE_ENV, "1")
+    integrity.native.cache_clear()
+    if request.param == "native":
+        require_native()
+    else:
+        assert integrity.native() is None
+    yield request.param
+    integrity.native.cache_clear()
+
+
+def test_a_sealed_value_verifies_under_its_own_key_only(checksum_path):
     checksum = PageChecksum(XXH3_64)
     value = memoryview(bytearray(random.Random(0).randbytes(4096) + bytes(checksum.size)))
     checksum.seal([value], ["ns/m/w8r0/lg0/t32b4096-abc/00ff"])
@@ -95,12 +114,108 @@ def test_a_sealed_value_verifies_under_its_own_key_only():
 
 
 @pytest.mark.parametrize("position", [0, 1, 2047, 4095, 4096, 4103])
-def test_one_flipped_bit_anywhere_in_a_value_fails_its_checksum(position):
+def test_one_flipped_bit_anywhere_in_a_value_fails_its_checksum(checksum_path, position):
     checksum = PageChecksum(XXH3_64)
     value = memoryview(bytearray(4096 + checksum.size))
     checksum.seal([value], ["k"])
     value[position] ^= 0x10  # in the payload or in the trailer itself
     assert checksum.verify([value], ["k"]) == [False]
+
+
+def require_native() -> None:
+    """Skip locally where kvconn._checksum has no xxh3 to bind; fail in CI, where the
+    batched path must be the one tested."""
+    if integrity.native() is None:
+        reason = "no xxh3 to bind kvconn._checksum to"
+        pytest.fail(reason) if in_ci() else pytest.skip(reason)
+
+
+def _sealed(sizes: Sequence[int], keys: Sequence[str], path: str | None) -> list[bytes]:
+    """Values of ``sizes`` payload bytes, sealed for ``keys`` on one path (``None``:
+    the native batch; anything else: the package, page by page)."""
+    rng = random.Random(len(sizes))
+    values = [memoryview(bytearray(rng.randbytes(n) + bytes(8))) for n in sizes]
+    with pytest.MonkeyPatch.context() as patch:
+        if path is not None:
+            patch.setenv(NO_NATIVE_ENV, "1")
+        integrity.native.cache_clear()
+        PageChecksum(XXH3_64).seal(values, keys)
+    integrity.native.cache_clear()
+    return [bytes(v) for v in values]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            # either side of xxh3's steps (16, 128, 240 bytes, a 1 KiB stripe block)
+            st.one_of(st.integers(0, 300), st.integers(1000, 1100), st.integers(60000, 70000)),
+            st.text(min_size=0, max_size=40),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_both_checksum_paths_write_the_same_trailers_and_accept_each_others(pages):
+    require_native()
+    sizes, keys = [n for n, _ in pages], [k for _, k in pages]
+    native, package = _sealed(sizes, keys, None), _sealed(sizes, keys, "package")
+    assert native == package
+    for value, key in zip(native, keys):  # the trailer, as the package writes it
+        want = xxhash.xxh3_64_digest(value[:-8], seed=xxhash.xxh3_64_intdigest(key.encode()))
+        assert value[-8:] == want
+    assert PageChecksum(XXH3_64).verify([memoryview(v) for v in package], keys) == [True] * len(
+        keys
+    )
+
+
+def test_a_library_without_xxh3_is_never_bound():
+    assert _checksum.bind("libkvconn-no-such-library.so") is False
+    assert _checksum.bind("libc.so.6") is False  # loads, but has no XXH3_64bits_withSeed
+
+
+def test_an_xxh3_that_disagrees_with_the_package_is_never_used(monkeypatch):
+    """Another xxh3 version or ABI behind the same symbol name would write trailers no
+    other kvconn accepts: the bound function must give the package's digests first."""
+    monkeypatch.setattr(integrity, "_agrees", lambda module: False)
+    integrity.native.cache_clear()
+    try:
+        assert integrity.native() is None
+        with pytest.raises(RuntimeError, match="no xxh3 bound"):
+            _checksum.digest(b"abc", 0)  # unbound, so nothing can use it by mistake
+        checksum = PageChecksum(XXH3_64)
+        value = memoryview(bytearray(100))
+        checksum.seal([value], ["k"])  # the package's path
+        assert checksum.verify([value], ["k"]) == [True]
+    finally:
+        monkeypatch.undo()
+        integrity.native.cache_clear()
+        integrity.native()
+
+
+def test_a_wrong_digest_fails_the_agreement_check():
+    class Off:
+        @staticmethod
+        def digest(data: bytes, seed: int) -> int:
+            return xxhash.xxh3_64_intdigest(data, seed) ^ (len(data) == 129)
+
+    assert integrity._agrees(Off()) is False  # type: ignore[arg-type]
+
+
+def test_a_native_batch_with_bad_arguments_is_refused_whole_and_writes_nothing():
+    require_native()
+    fresh = [memoryview(bytearray(16)) for _ in range(2)]
+    with pytest.raises(ValueError, match="2 values but 1 keys"):
+        _checksum.seal(fresh, ["a"])
+    with pytest.raises(TypeError, match="key 1 is not a str"):
+        _checksum.seal(fresh, ["a", b"b"])  # type: ignore[list-item]
+    with pytest.raises(BufferError):
+        _checksum.seal([fresh[0], memoryview(bytes(16))], ["a", "b"])  # read-only
+    with pytest.raises(ValueError, match="value 1 has 5 bytes, no room for a trailer"):
+        _checksum.seal([fresh[0], memoryview(bytearray(5))], ["a", "b"])
+    assert all(bytes(v) == bytes(16) for v in fresh)  # not one trailer written
+    # a value too short to hold a trailer is not refused on load: it fails, like any other
+    assert _checksum.verify([memoryview(bytes(5)), fresh[0]], ["a", "b"]) == [False, False]
 
 
 @pytest.mark.parametrize("name", ["crc32", "XXH3-64", "", 8, None])

@@ -632,35 +632,49 @@ def test_a_lent_load_stops_at_the_first_damaged_block_and_repairs_every_damaged_
     other.close()
 
 
-def test_a_lent_load_cancelled_midway_keeps_the_blocks_already_written_and_no_more(tmp_path):
-    """The gate is entered per block: a load given up after two blocks reports two
-    loaded, and the slots of the later blocks get no byte."""
+@pytest.mark.parametrize(
+    ("group_bytes", "gate_opens", "entered", "loaded"),
+    [
+        (1, 2, [1, 1, 1], 2),  # a group per block: given up after two blocks
+        (1 << 30, 1, [4], 4),  # one group: all four blocks pass the gate together
+        (1 << 30, 0, [4], 0),  # ...or none of them, if it is already shut
+    ],
+)
+def test_a_lent_load_cancelled_midway_keeps_the_blocks_already_written_and_no_more(
+    tmp_path, monkeypatch, group_bytes, gate_opens, entered, loaded
+):
+    """The gate is entered per group of blocks (``GROUP_BYTES`` of pages): a load given
+    up after some groups reports their blocks loaded, and the slots of the later blocks
+    get no byte."""
     import contextlib
 
+    from kvconn import lent_load
     from kvconn.hashing import block_hashes
     from kvconn.slots import slot_map
     from tests.helpers import slot_bytes
 
+    monkeypatch.setattr(lent_load, "GROUP_BYTES", group_bytes)
     layout, _config, (conn, other) = _lmdb_group(tmp_path)
     hashes = block_hashes(list(range(32 * 4)), 32)
     for writer in (conn, other):  # each writes its share of the shared pages
         writer.save(hashes, [1, 2, 3, 4])
     before = [p.clone() for p in conn.pools]
-    entered: list[int] = []
+    seen: list[int] = []
 
     @contextlib.contextmanager
     def gate(blocks):
-        entered.append(blocks)
-        yield len(entered) <= 2
+        seen.append(blocks)
+        yield len(seen) <= gate_opens
 
     slots = slot_map(layout, [5, 6, 7, 8], hashes)
     result = conn.load_into(hashes, slots, lambda n: (None, None), gate=gate)  # type: ignore[arg-type,return-value]
-    assert result.loaded == 2
-    assert entered == [1, 1, 1]
-    for src, dst in ((1, 5), (2, 6)):
-        assert slot_bytes(layout, conn.pools, dst) == slot_bytes(layout, conn.pools, src)
-    for slot in (7, 8):
-        assert slot_bytes(layout, conn.pools, slot) == slot_bytes(layout, before, slot)
+    assert result.loaded == loaded
+    assert seen == entered
+    for i, (src, dst) in enumerate(((1, 5), (2, 6), (3, 7), (4, 8))):
+        want = conn.pools if i < loaded else before
+        assert slot_bytes(layout, conn.pools, dst) == slot_bytes(
+            layout, want, src if i < loaded else dst
+        )
     conn.close()
     other.close()
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconn.layout import Region
-from kvconn.movement import PageMover, compile_runs
+from kvconn.movement import PageMover, compile_runs, scatter_lent
 
 
 def reference_gather(regions, pool, slots):
@@ -113,6 +113,46 @@ def test_a_lent_page_shorter_than_its_pieces_is_refused_unwritten():
     with pytest.raises(ValueError, match=r"piece 1 \(bytes 8..16\) lies outside a page of 12"):
         mover.scatter_page(1, memoryview(bytes(range(1, 13))))
     assert int(target.count_nonzero()) == 0  # the first piece, which fits, is not written
+
+
+@settings(max_examples=40, deadline=None)
+@given(interleaved(largest=9000), interleaved(), st.integers(0, 63))
+def test_lent_pages_of_two_pools_scatter_in_one_call_as_they_do_one_by_one(first, second, skew):
+    """A group of a lent load: pages of several kinds (each its own mover and pool) in
+    one call, the same bytes as a call per page."""
+    wanted, got, jobs = [], [], []
+    for regions, pool_size, slots in (first, second):
+        pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
+        pages = reference_gather(regions, pool, slots)
+        lent = [memoryview(bytes(skew) + p.numpy().tobytes())[skew:] for p in pages]
+        one_by_one = torch.zeros_like(pool)
+        mover = PageMover(regions, [one_by_one], regions[0].num_slots)
+        for slot, page in zip(slots, lent):
+            mover.scatter_page(slot, page)
+        together = torch.zeros_like(pool)
+        batch = PageMover(regions, [together], regions[0].num_slots)
+        jobs += [batch.lent_page(slot, page) for slot, page in zip(slots, lent)]
+        wanted.append(one_by_one)
+        got.append(together)
+    scatter_lent(jobs[::-1])  # in any order: every page has its own slot
+    for w, g in zip(wanted, got):
+        assert torch.equal(w, g)
+
+
+def test_a_group_of_lent_pages_with_one_bad_page_is_refused_whole_and_unwritten():
+    mover, target = lent_mover()
+    good = mover.lent_page(0, memoryview(bytes(range(1, 17))))
+    with pytest.raises(IndexError, match="slot 4 is outside the pool's 4 slots"):
+        scatter_lent([good, mover.lent_page(4, memoryview(bytes(range(1, 17))))])
+    with pytest.raises(ValueError, match=r"piece 1 \(bytes 8..16\) lies outside a page of 12"):
+        scatter_lent([good, mover.lent_page(1, memoryview(bytes(range(1, 13))))])
+    with pytest.raises(TypeError, match="page 1 of scatter_pages is not a"):
+        scatter_lent([good, [memoryview(bytes(16)), 1, 4, b""]])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        scatter_lent([good, (memoryview(bytes(16)), "1", 4, b"")])  # type: ignore[list-item]
+    assert int(target.count_nonzero()) == 0  # the good page, first, is not written either
+    scatter_lent([good])
+    assert int(target.count_nonzero()) == 16
 
 
 def test_lent_pages_go_into_cpu_pools_only():
