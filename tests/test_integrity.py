@@ -174,6 +174,20 @@ def test_a_library_without_xxh3_is_never_bound():
     assert _checksum.bind("libc.so.6") is False  # loads, but has no XXH3_64bits_withSeed
 
 
+def test_the_system_xxhash_library_serves_where_the_package_exports_no_xxh3(monkeypatch):
+    monkeypatch.setattr(xxhash, "_xxhash", None)  # a build of the package that hides it
+    integrity.native.cache_clear()
+    try:
+        if integrity.native() is None:
+            pytest.skip("no libxxhash.so.0 on this machine")
+        sizes, keys = [0, 200, 70000], ["a", "b/c", "ключ"]
+        assert _sealed(sizes, keys, None) == _sealed(sizes, keys, "package")
+    finally:
+        monkeypatch.undo()
+        integrity.native.cache_clear()
+        integrity.native()
+
+
 def test_an_xxh3_that_disagrees_with_the_package_is_never_used(monkeypatch):
     """Another xxh3 version or ABI behind the same symbol name would write trailers no
     other kvconn accepts: the bound function must give the package's digests first."""
