@@ -11,7 +11,10 @@ variant once, in a new shuffled order; the figures are medians, the ratio is of 
 The default store is LMDB, whose read is one read transaction lending pages from its
 map. ``--backend redis`` loads from a ``redis-server`` on loopback that the benchmark
 starts and stops: one ``MGET`` per chunk, whose replies redis-py parses into ``bytes``
-that the backend lends the same way.
+that the backend lends the same way. ``--backend mooncake`` loads from a Mooncake
+cluster on loopback TCP that the benchmark starts (a master and one storage process):
+Mooncake lends nothing, so its pages come into the connector's registered staging and
+are verified and scattered from there.
 
 ``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
 only every thousand iterations, as an engine's step loop does between its calls: a load
@@ -30,6 +33,7 @@ Run from the repository root:
     python -m benchmarks.bench_load --kv-heads 1     # a rank's share at TP=2
     python -m benchmarks.bench_load --backend redis --contend
     python -m benchmarks.bench_load --backend redis --hog --trials 7
+    python -m benchmarks.bench_load --backend mooncake --contend --hog --trials 9
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 from benchmarks.bench_movement import interleaved_medians
 from kvconn import Connector
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.devserver.redis import RedisServer
 
 LAYERS = 24
@@ -99,9 +104,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("lmdb", "redis"),
+        choices=("lmdb", "redis", "mooncake"),
         default="lmdb",
-        help="the store to load from (lmdb; redis: a redis-server this benchmark starts)",
+        help="the store to load from (lmdb; redis, mooncake: servers this benchmark starts)",
     )
     parser.add_argument("--contend", action="store_true", help="also with a busy Python thread")
     parser.add_argument(
@@ -114,6 +119,14 @@ def main() -> None:
         if args.backend == "redis":
             server = stack.enter_context(RedisServer())
             backend = ("redis", dict(server.options))
+        elif args.backend == "mooncake":
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # transfers on loopback
+            # room for the saved pages with plenty to spare (Mooncake evicts when full)
+            segment = max(256 << 20, 4 * args.blocks * LAYERS * 2 * args.kv_heads * 8 << 10)
+            cluster = stack.enter_context(
+                MooncakeCluster(storage_processes=1, segment_size=segment)
+            )
+            backend = ("mooncake", {**cluster.options, "read_env": False})
         conn, hashes, slots = build(path, args.blocks, args.kv_heads, backend)
         piece = 2 * args.kv_heads * TOKENS * HEAD_DIM * 4
         nbytes = args.blocks * LAYERS * piece

@@ -5,7 +5,8 @@
  * gives the GIL up and wins it back for every piece, and inside an engine whose step loop
  * runs Python each win can wait for the interpreter's switch interval. One call per page
  * moves the same bytes with one release, and scatter_pages moves several pages (of any
- * pools) with one release. See kvconn/movement.py (PageMover.scatter_page, scatter_lent).
+ * pools; lent, or rows of the connector's staging) with one release. See
+ * kvconn/movement.py (PageMover.scatter_page, scatter_host_pages).
  * Pieces of 4 KiB and more are written with streaming stores (copy_piece): a scatter then
  * moves each pool byte once instead of twice (benchmarks/bench_load.py).
  *

@@ -64,7 +64,7 @@ from kvconn.layout import NO_SLOT
 from kvconn.lent_load import lent_statuses, verify_and_scatter
 from kvconn.lookup import Lookup, PageKeys, check_hashes
 from kvconn.manifests import ManifestWriter
-from kvconn.movement import PageMover, flat_bytes
+from kvconn.movement import HostPage, PageMover, flat_bytes, scatter_host_pages
 from kvconn.plan import RankShare, WriterPolicy, share_key, writes
 from kvconn.registry import load_backend
 from kvconn.repair import PageRepair, Verdict
@@ -805,6 +805,9 @@ class Connector:
         with gate(good) if gate is not None else contextlib.nullcontext(True) as allowed:
             if not allowed:
                 return 0
+            if self.device.type == "cpu":
+                self._scatter_staged(start, stop, good, wanted, buffers, slots, movers)
+                return good
             for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
                 count = sum(1 for i in blocks if i < good)  # blocks ascend: a prefix of rows
                 if count == 0:
@@ -819,6 +822,40 @@ class Connector:
                 self.stats.add("loaded", share.plan, count)
             self._sync()
         return good
+
+    def _scatter_staged(
+        self,
+        start: int,
+        stop: int,
+        good: int,
+        wanted: Sequence[Sequence[int]],
+        buffers: Sequence[memoryview],
+        slots: SlotMap,
+        movers: Sequence[PageMover],
+    ) -> None:
+        """Scatter a chunk's first ``good`` blocks from staging rows into CPU pools.
+
+        Every page goes in one call that lets the GIL go once and writes the pool with
+        streaming stores (:func:`kvconn.movement.scatter_host_pages`, as for lent pages): a
+        numpy assignment per run let the GIL go once per run and read every pool line
+        before writing it. ``buffers`` holds each kind's rows in turn, as read.
+        """
+        pages: list[HostPage] = []
+        counts: list[int] = []
+        pos = 0
+        for s, (share, blocks) in enumerate(zip(self.shares, wanted)):
+            chunk_slots = slots[share.plan.group][start:stop].tolist()
+            count = sum(1 for i in blocks if i < good)  # blocks ascend: a prefix of rows
+            pages.extend(
+                movers[s].host_page(chunk_slots[block], buffers[pos + k])
+                for k, block in enumerate(blocks[:count])
+            )
+            counts.append(count)
+            pos += len(blocks)
+        scatter_host_pages(pages)
+        for share, count in zip(self.shares, counts):
+            if count:
+                self.stats.add("loaded", share.plan, count)
 
     def _load_borrowed(
         self,

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from kvconn.backend import ReadStatus
 from kvconn.gate import Gate
 from kvconn.integrity import PageChecksum
-from kvconn.movement import PageMover, scatter_lent
+from kvconn.movement import PageMover, scatter_host_pages
 from kvconn.plan import RankShare
 from kvconn.repair import Verdict, read_verdict
 
@@ -122,9 +122,9 @@ def verify_and_scatter(
                 if not ok:
                     cancelled = True
                     break
-                scatter_lent(
+                scatter_host_pages(
                     [
-                        movers[s].lent_page(slots[s][block], pages[i])
+                        movers[s].host_page(slots[s][block], pages[i])
                         for block in range(good, ready)
                         for s, i in here[block]
                     ]

@@ -209,23 +209,25 @@ class PageMover:
         win it back 24 times a page for a 24-layer model, each time waiting on whatever
         else the engine's process runs (``benchmarks/bench_load.py --contend``).
         """
-        _scatter.scatter_page(*self.lent_page(slot, page))
+        _scatter.scatter_page(*self.host_page(slot, page))
 
-    def lent_page(self, slot: int, page: memoryview) -> LentPage:
-        """:meth:`scatter_page`'s work as a :data:`LentPage`, for :func:`scatter_lent`."""
+    def host_page(self, slot: int, page: memoryview) -> HostPage:
+        """:meth:`scatter_page`'s work as a :data:`HostPage`, for :func:`scatter_host_pages`."""
         if self._piece_table is None:
             raise ValueError("scatter_page moves bytes into CPU pools only")
         return (page, slot, self.num_slots, self._piece_table)
 
 
-#: One lent page bound for a CPU pool slot: the page, its slot, the pool's slot count,
-#: and its mover's piece table (:meth:`PageMover.lent_page`).
-LentPage = tuple[memoryview, int, int, bytes]
+#: One page in host memory (lent by a store, or a row of staging) bound for a CPU pool
+#: slot: the page, its slot, the pool's slot count, and its mover's piece table
+#: (:meth:`PageMover.host_page`).
+HostPage = tuple[memoryview, int, int, bytes]
 
 
-def scatter_lent(pages: Sequence[LentPage]) -> None:
-    """Write lent pages into their slots (of any pools) in one call that lets the GIL go
-    once: a load scatters a few blocks' pages at a time (:mod:`kvconn.lent_load`)."""
+def scatter_host_pages(pages: Sequence[HostPage]) -> None:
+    """Write pages into their slots (of any CPU pools) in one call that lets the GIL go
+    once, with streaming stores: a lent load scatters a few blocks' pages at a time
+    (:mod:`kvconn.lent_load`), a load through staging its whole chunk."""
     _scatter.scatter_pages(pages)
 
 

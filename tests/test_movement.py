@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconn.layout import Region
-from kvconn.movement import PageMover, compile_runs, scatter_lent
+from kvconn.movement import PageMover, compile_runs, scatter_host_pages
 
 
 def reference_gather(regions, pool, slots):
@@ -64,8 +64,8 @@ def test_gather_and_scatter_agree_with_a_byte_by_byte_reference(case, tail):
 
 @settings(max_examples=150, deadline=None)
 @given(interleaved())
-def test_a_lent_page_scatters_into_exactly_the_bytes_its_regions_name(case):
-    assert_lent_pages_scatter_exactly(case, 1)
+def test_a_host_page_scatters_into_exactly_the_bytes_its_regions_name(case):
+    assert_host_pages_scatter_exactly(case, 1)
 
 
 # Pieces of 4 KiB and more are written with streaming stores (kvconn/_scatter.c): pieces
@@ -73,11 +73,11 @@ def test_a_lent_page_scatters_into_exactly_the_bytes_its_regions_name(case):
 # last whole 64 bytes.
 @settings(max_examples=60, deadline=None)
 @given(interleaved(largest=9000), st.integers(0, 63))
-def test_a_lent_page_of_large_pieces_scatters_into_exactly_the_bytes_its_regions_name(case, skew):
-    assert_lent_pages_scatter_exactly(case, skew)
+def test_a_host_page_of_large_pieces_scatters_into_exactly_the_bytes_its_regions_name(case, skew):
+    assert_host_pages_scatter_exactly(case, skew)
 
 
-def assert_lent_pages_scatter_exactly(case, skew):
+def assert_host_pages_scatter_exactly(case, skew):
     regions, pool_size, slots = case
     pool = torch.randint(0, 256, (pool_size,), dtype=torch.uint8)
     pages = reference_gather(regions, pool, slots)
@@ -101,14 +101,14 @@ def lent_mover():
 
 
 @pytest.mark.parametrize("slot", [-1, 4])
-def test_a_lent_page_for_a_slot_outside_the_pool_is_refused_unwritten(slot):
+def test_a_host_page_for_a_slot_outside_the_pool_is_refused_unwritten(slot):
     mover, target = lent_mover()
     with pytest.raises(IndexError, match=f"slot {slot} is outside the pool's 4 slots"):
         mover.scatter_page(slot, memoryview(bytes(range(1, 17))))
     assert int(target.count_nonzero()) == 0
 
 
-def test_a_lent_page_shorter_than_its_pieces_is_refused_unwritten():
+def test_a_host_page_shorter_than_its_pieces_is_refused_unwritten():
     mover, target = lent_mover()
     with pytest.raises(ValueError, match=r"piece 1 \(bytes 8..16\) lies outside a page of 12"):
         mover.scatter_page(1, memoryview(bytes(range(1, 13))))
@@ -117,7 +117,7 @@ def test_a_lent_page_shorter_than_its_pieces_is_refused_unwritten():
 
 @settings(max_examples=40, deadline=None)
 @given(interleaved(largest=9000), interleaved(), st.integers(0, 63))
-def test_lent_pages_of_two_pools_scatter_in_one_call_as_they_do_one_by_one(first, second, skew):
+def test_host_pages_of_two_pools_scatter_in_one_call_as_they_do_one_by_one(first, second, skew):
     """A group of a lent load: pages of several kinds (each its own mover and pool) in
     one call, the same bytes as a call per page."""
     wanted, got, jobs = [], [], []
@@ -131,31 +131,31 @@ def test_lent_pages_of_two_pools_scatter_in_one_call_as_they_do_one_by_one(first
             mover.scatter_page(slot, page)
         together = torch.zeros_like(pool)
         batch = PageMover(regions, [together], regions[0].num_slots)
-        jobs += [batch.lent_page(slot, page) for slot, page in zip(slots, lent)]
+        jobs += [batch.host_page(slot, page) for slot, page in zip(slots, lent)]
         wanted.append(one_by_one)
         got.append(together)
-    scatter_lent(jobs[::-1])  # in any order: every page has its own slot
+    scatter_host_pages(jobs[::-1])  # in any order: every page has its own slot
     for w, g in zip(wanted, got):
         assert torch.equal(w, g)
 
 
-def test_a_group_of_lent_pages_with_one_bad_page_is_refused_whole_and_unwritten():
+def test_a_group_of_host_pages_with_one_bad_page_is_refused_whole_and_unwritten():
     mover, target = lent_mover()
-    good = mover.lent_page(0, memoryview(bytes(range(1, 17))))
+    good = mover.host_page(0, memoryview(bytes(range(1, 17))))
     with pytest.raises(IndexError, match="slot 4 is outside the pool's 4 slots"):
-        scatter_lent([good, mover.lent_page(4, memoryview(bytes(range(1, 17))))])
+        scatter_host_pages([good, mover.host_page(4, memoryview(bytes(range(1, 17))))])
     with pytest.raises(ValueError, match=r"piece 1 \(bytes 8..16\) lies outside a page of 12"):
-        scatter_lent([good, mover.lent_page(1, memoryview(bytes(range(1, 13))))])
+        scatter_host_pages([good, mover.host_page(1, memoryview(bytes(range(1, 13))))])
     with pytest.raises(TypeError, match="page 1 of scatter_pages is not a"):
-        scatter_lent([good, [memoryview(bytes(16)), 1, 4, b""]])  # type: ignore[list-item]
+        scatter_host_pages([good, [memoryview(bytes(16)), 1, 4, b""]])  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        scatter_lent([good, (memoryview(bytes(16)), "1", 4, b"")])  # type: ignore[list-item]
+        scatter_host_pages([good, (memoryview(bytes(16)), "1", 4, b"")])  # type: ignore[list-item]
     assert int(target.count_nonzero()) == 0  # the good page, first, is not written either
-    scatter_lent([good])
+    scatter_host_pages([good])
     assert int(target.count_nonzero()) == 16
 
 
-def test_lent_pages_go_into_cpu_pools_only():
+def test_host_pages_go_into_cpu_pools_only():
     regions = [Region("k", 0, 0, 8, 8, 2)]
     mover = PageMover(regions, [torch.zeros(16, dtype=torch.uint8, device="meta")], 2)
     with pytest.raises(ValueError, match="CPU pools only"):
