@@ -29,11 +29,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvconn.backend import ReadStatus
+from kvconn.backend import ReadStatus, tensor_bytes
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.gate import Gate
 from kvconn.group import TpGroup, Transfer
-from kvconn.movement import PageMover
+from kvconn.movement import HostPage, PageMover, scatter_host_pages
 from kvconn.plan import PagePlan, RankShare, share_key
 from kvconn.repair import PageRepair
 from kvconn.slots import SlotMap
@@ -115,6 +115,9 @@ class StripedLoad:
         with gate(good) if gate is not None else contextlib.nullcontext(True) as allowed:
             if not allowed:  # cancelled meanwhile: the next chunk's agreement stops the group
                 return good
+            if device.type == "cpu" and wire.device.type == "cpu":
+                self._scatter_host(start, n, good, rows, offsets, wire, slots, movers)
+                return good
             if wire.device != device:  # whole chunk: one contiguous host-to-device copy
                 wire = wire.to(device, non_blocking=True)
             for s, (share, striped) in enumerate(zip(self.shares, rows)):
@@ -131,6 +134,33 @@ class StripedLoad:
                 self.stats.add("loaded", plan, good)
             self._sync()
         return good
+
+    def _scatter_host(
+        self,
+        start: int,
+        n: int,
+        good: int,
+        rows: Sequence[StripedRows],
+        offsets: Sequence[int],
+        wire: torch.Tensor,
+        slots: SlotMap,
+        movers: Sequence[PageMover],
+    ) -> None:
+        """The chunk's first ``good`` blocks from the wire's rows into CPU pools, every
+        page in one call that lets the GIL go once, with streaming stores
+        (:func:`kvconn.movement.scatter_host_pages`), as a rank's own load does."""
+        data = tensor_bytes(wire)  # wire lives until the scatter returns
+        pages: list[HostPage] = []
+        for s, (share, striped) in enumerate(zip(self.shares, rows)):
+            row = share.plan.value_size
+            group_slots = slots[share.plan.group][start : start + n].tolist()
+            for segment in striped.segments:
+                for k, block in enumerate(segment.blocks[: segment.below(good)]):
+                    at = offsets[s] + (segment.first_row + k) * row
+                    pages.append(movers[s].host_page(group_slots[block], data[at : at + row]))
+        scatter_host_pages(pages)
+        for share in self.shares:
+            self.stats.add("loaded", share.plan, good)
 
     # ------------------------------------------------------------------ steps
     def _read(
