@@ -113,6 +113,8 @@ def main() -> None:
         "--hog", action="store_true", help="also with a thread that never lets the GIL go itself"
     )
     args = parser.parse_args()
+    piece = 2 * args.kv_heads * TOKENS * HEAD_DIM * 4
+    nbytes = args.blocks * LAYERS * piece
     with contextlib.ExitStack() as stack:
         path = stack.enter_context(tempfile.TemporaryDirectory())
         backend = None
@@ -122,14 +124,12 @@ def main() -> None:
         elif args.backend == "mooncake":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # transfers on loopback
             # room for the saved pages with plenty to spare (Mooncake evicts when full)
-            segment = max(256 << 20, 4 * args.blocks * LAYERS * 2 * args.kv_heads * 8 << 10)
+            segment = max(256 << 20, 4 * nbytes)
             cluster = stack.enter_context(
                 MooncakeCluster(storage_processes=1, segment_size=segment)
             )
             backend = ("mooncake", {**cluster.options, "read_env": False})
         conn, hashes, slots = build(path, args.blocks, args.kv_heads, backend)
-        piece = 2 * args.kv_heads * TOKENS * HEAD_DIM * 4
-        nbytes = args.blocks * LAYERS * piece
         src = ctypes.create_string_buffer(os.urandom(nbytes), nbytes)
         dst = ctypes.create_string_buffer(nbytes)
 

@@ -3,10 +3,9 @@
  * A page lent by a store (LMDB's map) goes into a slot as one piece per run of its kind:
  * 24 pieces for a 24-layer model in vLLM's layout. Copying them one numpy call at a time
  * gives the GIL up and wins it back for every piece, and inside an engine whose step loop
- * runs Python each win can wait for the interpreter's switch interval. One call per page
- * moves the same bytes with one release, and scatter_pages moves several pages (of any
- * pools; lent, or rows of the connector's staging) with one release. See
- * kvconn/movement.py (PageMover.scatter_page, scatter_host_pages).
+ * runs Python each win can wait for the interpreter's switch interval. scatter_pages
+ * moves any number of pages (of any pools; lent, or rows of the connector's staging) with
+ * one release. See kvconn/movement.py (scatter_host_pages, PageMover.host_page).
  * Pieces of 4 KiB and more are written with streaming stores (copy_piece): a scatter then
  * moves each pool byte once instead of twice (benchmarks/bench_load.py).
  *
@@ -117,29 +116,6 @@ fence(void)
 #endif
 }
 
-static PyObject *
-scatter_page(PyObject *self, PyObject *args)
-{
-    Py_buffer page, table;
-    Py_ssize_t slot, num_slots;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*nny*", &page, &slot, &num_slots, &table)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (check_page(&page, slot, num_slots, &table) == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        copy_page(&page, slot, &table);
-        fence();
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyBuffer_Release(&page);
-    PyBuffer_Release(&table);
-    return result;
-}
-
 /* One page of scatter_pages, held until the call ends. */
 typedef struct {
     Py_buffer page, table;
@@ -199,10 +175,9 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"scatter_page", scatter_page, METH_VARARGS,
-     "scatter_page(page, slot, num_slots, table): copy a page's pieces into a pool slot."},
     {"scatter_pages", scatter_pages, METH_O,
-     "scatter_pages(pages): scatter_page for each (page, slot, num_slots, table), at once."},
+     "scatter_pages(pages): copy each (page, slot, num_slots, table)'s pieces into its "
+     "pool slot."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -122,7 +122,7 @@ class PageMover:
         self._host_views = (
             [view.numpy() for view in self._views] if self.device.type == "cpu" else None
         )
-        #: ...and, for pages lent by a store (``scatter_page``), the address, slot stride,
+        #: ...and, for pages in host memory (``host_page``), the address, slot stride,
         #: page offset and size of each piece, for kvconn._scatter (CPU pools only)
         self._pools = list(pools)  # the table's addresses point into these
         self._piece_table = self._pieces(self._pools) if self._host_views is not None else None
@@ -202,14 +202,13 @@ class PageMover:
     def scatter_page(self, slot: int, page: memoryview) -> None:
         """Write one page (a byte view of ``page_size`` or more) into ``slot``, on the CPU.
 
-        For a page that is not a row of a tensor: a value a store lends where it holds it
-        (``Backend.borrow``), moved while it is still in cache from its checksum
-        (:mod:`kvconn.lent_load`). All of the page's pieces go in one call that lets the
-        GIL go once (kvconn._scatter): a numpy assignment per piece gave it up and had to
-        win it back 24 times a page for a 24-layer model, each time waiting on whatever
-        else the engine's process runs (``benchmarks/bench_load.py --contend``).
+        For a page that is not a row of a tensor, such as a value a store lends where it
+        holds it (``Backend.borrow``). All of the page's pieces go in one call that lets
+        the GIL go once (kvconn._scatter): a numpy assignment per piece gave it up and had
+        to win it back 24 times a page for a 24-layer model. Loads move many pages per
+        call (:func:`scatter_host_pages`), this one.
         """
-        _scatter.scatter_page(*self.host_page(slot, page))
+        scatter_host_pages([self.host_page(slot, page)])
 
     def host_page(self, slot: int, page: memoryview) -> HostPage:
         """:meth:`scatter_page`'s work as a :data:`HostPage`, for :func:`scatter_host_pages`."""
