@@ -18,7 +18,8 @@ command -v redis-cli >/dev/null || missing+=(redis-tools)  # redis-cli --cluster
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then missing+=(libibverbs1); fi
 command -v g++ >/dev/null || missing+=(g++)
 [ -e /usr/include/openssl/sha.h ] || missing+=(libssl-dev)
-# kvconn's own extension (kvconn/_scatter.c) builds against the interpreter's headers
+# kvconn's own extensions (kvconn/_scatter.c, kvconn/_checksum.c) build against the
+# interpreter's headers
 py_include=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 [ -e "$py_include/Python.h" ] || missing+=(python3-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
