@@ -11,7 +11,12 @@ variant once, in a new shuffled order; the figures are medians, the ratio is of 
 The default store is LMDB, whose read is one read transaction lending pages from its
 map. ``--backend redis`` loads from a ``redis-server`` on loopback that the benchmark
 starts and stops: one ``MGET`` per chunk, whose replies redis-py parses into ``bytes``
-that the backend lends the same way. ``--backend mooncake`` loads from a Mooncake
+that the backend lends the same way. Against Redis two more baselines run in the same
+trials, to tell the store's part of a load from kvconn's: ``wire``, the same values as
+one ``MGET`` reply read raw off a socket into one buffer, unparsed (the server's send
+and the kernel's copies: the floor of any Redis client), and ``redis-py``, redis-py's
+``mget`` of them with hiredis and the backend's 1 MiB reads (the parse, without
+kvconn's checksum and scatter). ``--backend mooncake`` loads from a Mooncake
 cluster on loopback TCP that the benchmark starts (a master and one storage process):
 Mooncake lends nothing, so its pages come into the connector's registered staging and
 are verified and scattered from there.
@@ -42,11 +47,13 @@ import argparse
 import contextlib
 import ctypes
 import os
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 
+import redis
 import torch
 
 from benchmarks.bench_movement import interleaved_medians
@@ -88,6 +95,44 @@ def build(
     if conn.save(hashes, list(range(blocks))).written != blocks:
         raise SystemExit("the save did not write every block")
     return conn, hashes, list(range(blocks + 4, 2 * blocks + 4))
+
+
+def redis_baselines(
+    server: RedisServer, blocks: int, page_bytes: int, stack: contextlib.ExitStack
+) -> dict[str, Callable[[], object]]:
+    """``wire`` and ``redis-py`` (see the module's docstring) over the stored pages.
+
+    The pages are the server's values of at least ``page_bytes`` (a page's payload; its
+    trailer comes on top); anything smaller is not a page. Each baseline keeps one
+    connection open, as the backend's pool does.
+    """
+    keys = [k for k in server.command("KEYS", "*") if server.command("STRLEN", k) >= page_bytes]
+    if len(keys) != blocks:
+        raise SystemExit(f"expected {blocks} pages on the server, found {len(keys)}")
+    sizes = [server.command("STRLEN", k) for k in keys]
+    request = b"".join(
+        [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
+        + [b"$%d\r\n%s\r\n" % (len(k), k) for k in keys]
+    )
+    reply = len(b"*%d\r\n" % len(keys)) + sum(len(b"$%d\r\n\r\n" % n) + n for n in sizes)
+    view = memoryview(bytearray(reply))
+    if server.password is not None:
+        raise SystemExit("the wire baseline speaks to a server without a password")
+    sock = stack.enter_context(socket.create_connection((server.host, server.port)))
+
+    def wire() -> None:
+        sock.sendall(request)
+        got = 0
+        while got < reply:
+            n = sock.recv_into(view[got : got + (1 << 20)])
+            if n == 0:
+                raise SystemExit("the server closed the connection")
+            got += n
+
+    # The backend's connection settings that matter here: RESP2 and 1 MiB reads.
+    client = redis.Redis(host=server.host, port=server.port, protocol=2, socket_read_size=1 << 20)
+    stack.callback(client.close)
+    return {"wire": wire, "redis-py": lambda: client.mget(keys)}
 
 
 def main() -> None:
@@ -138,7 +183,12 @@ def main() -> None:
             if result.loaded != args.blocks:
                 raise SystemExit(f"the load did not load every block: {result}")
 
-        variants = {"memcpy": lambda: ctypes.memmove(dst, src, nbytes), "load": load}
+        variants: dict[str, Callable[[], object]] = {
+            "memcpy": lambda: ctypes.memmove(dst, src, nbytes),
+            "load": load,
+        }
+        if args.backend == "redis":
+            variants.update(redis_baselines(server, args.blocks, LAYERS * piece, stack))
         print(
             f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.backend}; "
             f"{args.blocks} blocks of {LAYERS} layers x {piece >> 10} KiB "
@@ -157,10 +207,11 @@ def main() -> None:
                 med = interleaved_medians(variants, args.trials)
             finally:
                 stop.set()
-            print(
-                f"{label:20s} memcpy {med['memcpy'] * 1e3:6.2f} ms  load {med['load'] * 1e3:6.2f}"
-                f" ms  load/memcpy {med['load'] / med['memcpy']:.2f}"
-            )
+            line = f"{label:20s} " + "  ".join(f"{k} {v * 1e3:6.2f} ms" for k, v in med.items())
+            line += f"  load/memcpy {med['load'] / med['memcpy']:.2f}"
+            if "wire" in med:
+                line += f"  load/wire {med['load'] / med['wire']:.2f}"
+            print(line)
         conn.close()
 
 

@@ -39,9 +39,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -209,11 +210,29 @@ class TransferService:
         *,
         load_threads: int = 2,
         inflight_bytes: int | None = None,
+        cpus: Collection[int] | None = None,
     ) -> None:
         """``load_threads`` is ignored over a TP group: its loads run on one thread, in
-        submission order (module docstring)."""
+        submission order (module docstring).
+
+        ``cpus``: the CPUs the transfer threads run on. None: those of the thread that
+        starts them, which in an engine that binds its compute threads to cores is the
+        step's own core. An engine that keeps cores for KV transfers (vLLM's CPU
+        backend) names them here, so that a load or a save does not take the core the
+        forward pass is running on. A set the system refuses is logged and ignored.
+        """
         if load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, got {load_threads}")
+        if cpus is not None:
+            cpus = frozenset(cpus)
+            if not cpus or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus
+            ):
+                raise ValueError(
+                    f"cpus must be a non-empty set of CPU numbers, got {sorted(cpus, key=repr)}"
+                )
+        #: The CPUs the transfer threads are asked to run on (None: inherited).
+        self.cpus: frozenset[int] | None = cpus
         #: Loads run one at a time in submission order (a connector over a TP group).
         self.ordered = connector.group is not None
         if self.ordered:
@@ -437,9 +456,23 @@ class TransferService:
         names = ["kvconn-store"] + [f"kvconn-load-{i}" for i in range(self._load_threads)]
         targets = [self._store_loop] + [self._load_loop] * self._load_threads
         for name, target in zip(names, targets):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread = threading.Thread(target=self._run, args=(target,), name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _run(self, loop: Callable[[], None]) -> None:
+        """A transfer thread: on :attr:`cpus` when set, then ``loop`` until closed."""
+        if self.cpus is not None:
+            try:
+                os.sched_setaffinity(0, self.cpus)  # 0: this thread alone, on Linux
+            except (AttributeError, OSError, ValueError) as exc:
+                log.warning(
+                    "kvconn: cannot run %s on CPUs %s (%s); it runs where it was started",
+                    threading.current_thread().name,
+                    sorted(self.cpus),
+                    exc,
+                )
+        loop()
 
     def _store_loop(self) -> None:
         while True:

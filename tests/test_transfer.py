@@ -5,6 +5,7 @@ The same service runs on real backends in tests/test_transfer_backends.py.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -418,3 +419,35 @@ def test_a_shut_scatter_gate_lets_nothing_more_through_and_counts_what_passed():
     with gate(3) as allowed:
         assert not allowed
     assert gate.passed == 2
+
+
+def test_transfer_threads_run_on_the_cpus_the_engine_keeps_for_them(services):
+    """An engine that binds its step to a core names other cores for transfers (vLLM's
+    CPU backend keeps one per NUMA node): the store and load threads move there, and the
+    thread that submits keeps its own."""
+    own = os.sched_getaffinity(0)
+    chosen = {max(own)}
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    service = service_for(conn, services, cpus=chosen)
+    assert service.save(HASHES, SLOTS).wait(10)
+    assert service.load(HASHES, [s + 12 for s in SLOTS]).wait(10)
+    assert service._threads and all(
+        os.sched_getaffinity(t.native_id) == chosen for t in service._threads
+    )
+    assert os.sched_getaffinity(0) == own
+
+
+def test_cpus_the_system_refuses_are_logged_and_the_transfers_still_run(services, caplog):
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    service = service_for(conn, services, cpus={1 << 20})  # no machine has this CPU
+    with caplog.at_level("WARNING", logger="kvconn"):
+        save = service.save(HASHES, SLOTS)
+        assert save.wait(10) and save.result.ok
+    assert "cannot run kvconn-store on CPUs [1048576]" in caplog.text
+
+
+@pytest.mark.parametrize("cpus", [set(), {-1}, {True}, {"0"}])
+def test_a_cpu_set_that_names_no_cpu_is_refused(cpus):
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    with pytest.raises(ValueError, match="cpus must be a non-empty set of CPU numbers"):
+        TransferService(conn, cpus=cpus)

@@ -35,6 +35,7 @@ only the scheduler has them.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ from kvconn.results import LoadResult
 from kvconn.transfer import LoadRequest, SaveRequest, TransferService
 from kvconn.transfer import Transfer as Handle
 from kvconn_vllm.blocks import BlockTable
+from kvconn_vllm.cpus import vllm_transfer_cpus
 from kvconn_vllm.layout import kv_layout
 from kvconn_vllm.specs import cache_groups, dtype_tag
 
@@ -137,6 +139,25 @@ def wait_for_a_load(handles: Sequence[Handle], wait_s: float) -> None:
     """
     if handles and wait_s > 0 and not any(h.done() for h in handles):
         handles[0].wait(wait_s)
+
+
+def _transfer_cpus() -> frozenset[int] | None:
+    """The cores vLLM keeps for KV transfers on this rank, if any (kvconn_vllm.cpus)."""
+    from vllm.platforms import current_platform
+
+    try:
+        cpus = vllm_transfer_cpus(current_platform)
+    except ValueError as exc:  # a bind list vLLM itself would have refused first
+        log.warning("kvconn: transfer threads stay on the step's cores: %s", exc)
+        return None
+    if cpus is not None:
+        log.info(
+            "kvconn: transfer threads on CPUs %s, which vLLM keeps for KV transfers "
+            "(the step runs on %s)",
+            sorted(cpus),
+            sorted(os.sched_getaffinity(0)),
+        )
+    return cpus
 
 
 def _tp_group(config: ConnectorConfig) -> Any:
@@ -239,7 +260,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             pools=pools,
             group=_tp_group(self._config),
         )
-        self._service = TransferService(self._conn)
+        self._service = TransferService(self._conn, cpus=_transfer_cpus())
 
     def get_handshake_metadata(self) -> LayoutHandshake | None:
         return None if self._layout is None else LayoutHandshake(self._layout.to_dict())
