@@ -106,10 +106,11 @@ def redis_baselines(
     trailer comes on top); anything smaller is not a page. Each baseline keeps one
     connection open, as the backend's pool does.
     """
-    keys = [k for k in server.command("KEYS", "*") if server.command("STRLEN", k) >= page_bytes]
-    if len(keys) != blocks:
-        raise SystemExit(f"expected {blocks} pages on the server, found {len(keys)}")
-    sizes = [server.command("STRLEN", k) for k in keys]
+    lengths = {k: server.command("STRLEN", k) for k in server.command("KEYS", "*")}
+    pages = {k: n for k, n in lengths.items() if n >= page_bytes}
+    if len(pages) != blocks:
+        raise SystemExit(f"expected {blocks} pages on the server, found {len(pages)}")
+    keys, sizes = list(pages), list(pages.values())
     request = b"".join(
         [b"*%d\r\n$4\r\nMGET\r\n" % (len(keys) + 1)]
         + [b"$%d\r\n%s\r\n" % (len(k), k) for k in keys]
