@@ -298,6 +298,11 @@ class DeadlineLookup:
     ``wait_s`` and than ``SLOW_INLINE_S`` (a disk that has stopped being quick), lookups
     go to the thread and the deadline for good. A disk that hangs holds the caller for
     that one answer, as a file check on the same disk would.
+
+    A miss served because the store was late is logged (at most once per
+    ``LATE_LOG_INTERVAL_S``, with the count so far), and so is how long that store
+    then took to answer: a hit that became a recompute is otherwise invisible, and
+    "late by 10 ms" and "hung for a minute" call for different fixes.
     """
 
     #: Inline answers in a row, each slower than ``wait_s`` and ``SLOW_INLINE_S``,
@@ -308,6 +313,9 @@ class DeadlineLookup:
     #: slowed by the GIL or by the CPUs' other work (2.2 ms seen three times in a row on
     #: a 2-CPU machine) would be slower still through a thread, so it stays here.
     SLOW_INLINE_S = 0.05
+    #: Late lookups are logged at most this often: a stalled store makes every lookup
+    #: late, and one line a minute with the running count says as much as thousands.
+    LATE_LOG_INTERVAL_S = 60.0
 
     def __init__(
         self,
@@ -326,6 +334,7 @@ class DeadlineLookup:
         self._lock = threading.Lock()
         self._pending: dict[Hashable, tuple[float, Future[LookupResult]]] = {}
         self.timed_out = 0  # lookups answered as misses because the store was too slow
+        self._late_logged_at: float | None = None
         caps = lookup.backend.capabilities
         # thread_safe too: once inline is off, the lookup thread calls the store as well
         self.inline = lookup.config.lookup_inline and caps.local and caps.thread_safe
@@ -345,6 +354,7 @@ class DeadlineLookup:
                     return LookupResult(0, 0, available=False)  # back-off: no thread needed
                 if len(self._pending) >= self.max_pending:
                     self.timed_out += 1
+                    self._log_late(f"{len(self._pending)} lookups are still unanswered")
                     return LookupResult(0, 0, available=False)
                 hashes = check_hashes(block_hashes)
                 if not self.inline:
@@ -371,8 +381,41 @@ class DeadlineLookup:
             with self._lock:
                 self._pending.pop(tag, None)
                 self.timed_out += 1
+                logged = self._log_late(
+                    f"a lookup got no answer within lookup_timeout_s "
+                    f"({self.timeout_s * 1000:.0f} ms)"
+                )
+            if logged:
+                future.add_done_callback(lambda f: self._log_answered_late(f, started))
             return LookupResult(0, 0, available=False)
         return None
+
+    def _log_late(self, why: str) -> bool:
+        """Log a miss served because the store was late, at most once an interval."""
+        now = time.monotonic()
+        if self._late_logged_at is not None and (
+            now - self._late_logged_at < self.LATE_LOG_INTERVAL_S
+        ):
+            return False
+        self._late_logged_at = now
+        log.warning(
+            "kvconn: backend %r is slow to answer lookups: %s, so it was served as a miss "
+            "(%d such misses so far)",
+            self.lookup.config.backend,
+            why,
+            self.timed_out,
+        )
+        return True
+
+    def _log_answered_late(self, future: Future[LookupResult], started: float) -> None:
+        took_ms = (time.monotonic() - started) * 1000
+        if future.cancelled():
+            return  # closed before the store answered
+        exc = future.exception()
+        if exc is not None:
+            log.warning("kvconn: that late lookup failed after %.0f ms (%s)", took_ms, exc)
+        else:
+            log.warning("kvconn: that late lookup was answered after %.0f ms", took_ms)
 
     def _ask_here(self, hashes: list[bytes]) -> LookupResult:
         """A local store's answer, on the caller's thread; slow ones are counted."""

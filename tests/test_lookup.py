@@ -148,6 +148,65 @@ def test_a_stalled_store_does_not_queue_lookups_without_bound():
         asker.close()
 
 
+def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_took(caplog):
+    """A hit that became a recompute because the store was late must not be silent."""
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=0.05, max_pending=1)
+    store.hold("exists")
+    try:
+        with caplog.at_level("WARNING", logger="kvconn"):
+            assert asker.ask("r1", HASHES) is None
+            time.sleep(0.06)
+            late = asker.ask("r1", HASHES)
+            assert late is not None and not late.available
+            assert asker.ask("r2", HASHES) is None
+            time.sleep(0.06)
+            assert asker.ask("r2", HASHES) is not None  # late again, within the interval
+            store.release("exists")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and "answered after" not in caplog.text:
+                time.sleep(0.01)
+        lines = [r.getMessage() for r in caplog.records]
+        late_lines = [m for m in lines if "slow to answer lookups" in m]
+        assert late_lines == [
+            "kvconn: backend 'dict' is slow to answer lookups: a lookup got no answer "
+            "within lookup_timeout_s (50 ms), so it was served as a miss "
+            "(1 such misses so far)"
+        ]
+        answered = [m for m in lines if "answered after" in m]
+        assert len(answered) == 1  # only the logged one says when it came
+        took_ms = float(answered[0].split("after ")[1].split(" ms")[0])
+        assert took_ms >= 50
+        assert asker.timed_out == 2
+    finally:
+        store.release("exists")
+        asker.close()
+
+
+def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    lookup = Lookup(CONFIG, layout, backend=store)
+    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=60.0, max_pending=2)
+    asker.LATE_LOG_INTERVAL_S = 0.0
+    store.hold("exists")
+    try:
+        with caplog.at_level("WARNING", logger="kvconn"):
+            assert [asker.ask(i, HASHES) for i in range(2)] == [None] * 2
+            asker.ask(2, HASHES)
+            asker.ask(3, HASHES)
+        assert [r.getMessage() for r in caplog.records if "slow to answer" in r.getMessage()] == [
+            "kvconn: backend 'dict' is slow to answer lookups: 2 lookups are still "
+            f"unanswered, so it was served as a miss ({n} such misses so far)"
+            for n in (1, 2)
+        ]
+    finally:
+        store.release("exists")
+        asker.close()
+
+
 def test_an_answer_that_arrives_late_is_returned_when_asked_again():
     layout = minimax_m3(tp_size=2)
     store = GatedBackend()
