@@ -425,6 +425,25 @@ class Stores:
         return self.root / "example"
 
 
+REDIS_LATENCY_ARGS = ("--latency-monitor-threshold", "50", "--slowlog-log-slower-than", "50000")
+
+
+def _keep_server_latency(server: Any, path: Path) -> None:
+    """Write the Redis server's latency events and slow log next to the engines' logs."""
+    try:
+        report = {
+            "latency_latest": server.command("LATENCY", "LATEST"),
+            "slowlog": server.command("SLOWLOG", "GET", "128"),
+        }
+    except Exception as exc:  # the run's figures matter more than this record
+        report = {"error": f"{type(exc).__name__}: {exc}"}
+    path.write_text(json.dumps(report, default=_text, indent=1))
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else repr(value)
+
+
 @contextlib.contextmanager
 def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> Iterator[Stores]:
     """Start the servers the selected configurations need; a server that cannot start is
@@ -438,8 +457,12 @@ def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> 
             try:
                 from kvconn.tools.devserver.redis import RedisServer
 
-                server = stack.enter_context(RedisServer())
+                # the server's own record of what held its event loop (a command, a
+                # fork, ...) over 50 ms, kept with the run: a store that went quiet is
+                # then told apart from one that got no CPU
+                server = stack.enter_context(RedisServer(extra_args=REDIS_LATENCY_ARGS))
                 stores.redis_url = server.url
+                stack.callback(_keep_server_latency, server, root / "redis-latency.json")
             except Exception as exc:
                 stores.redis_error = f"{type(exc).__name__}: {exc}"
         if "mooncake" in configs:
@@ -849,6 +872,11 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"load_background_{name}"] = window_sum(fresh, begin, end, ("transfer_load",))
         out[f"load_work_{name}"] = window_sum(fresh, begin, end, ("load_work",))
         out[f"load_cpu_{name}"] = window_sum(fresh, begin, end, ("load_work",), field="cpu")
+        # page faults the load thread took: a first touch of a map or pool is CPU time
+        # that is neither a copy nor a checksum (in the JSON, not the table)
+        out[f"load_faults_{name}"] = window_sum(
+            fresh, begin, end, ("load_work",), field="minor_faults"
+        )
         out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
         # vLLM asks every connector for each layer's KV as the forward pass reaches it:
         # the first ask is where the model starts, so submit to there is the hit's part

@@ -35,6 +35,7 @@ import glob
 import importlib
 import json
 import os
+import resource
 import statistics
 import threading
 import time
@@ -279,9 +280,11 @@ def _time_load_work() -> None:
     @functools.wraps(load_into)
     def _load_into(self: Any, hashes: Any, *args: Any, **kwargs: Any) -> Any:
         start, cpu = time.monotonic(), time.thread_time()
+        faults = _thread_faults()
         try:
             return load_into(self, hashes, *args, **kwargs)
         finally:
+            minor, major = _thread_faults()
             record(
                 "load_work",
                 start,
@@ -289,10 +292,20 @@ def _time_load_work() -> None:
                 role="worker",
                 blocks=len(hashes),
                 cpu=time.thread_time() - cpu,
+                minor_faults=minor - faults[0],
+                major_faults=major - faults[1],
             )
 
     _load_into._kvconn_bench = True  # type: ignore[attr-defined]
     cls.load_into = _load_into
+
+
+def _thread_faults() -> tuple[int, int]:
+    """This thread's page faults so far (minor, major): a load that maps its source
+    or destination for the first time pays for it in CPU time, and this tells that
+    apart from copies."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_minflt, usage.ru_majflt
 
 
 def _note_modules() -> None:
