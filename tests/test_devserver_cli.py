@@ -207,6 +207,16 @@ def test_servers_die_with_the_process_that_started_them_even_on_sigkill(store):
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_dev_server_runs_in_a_group_of_its_own_but_in_our_session():
+    """Its own group, so stopping it reaches what it forked; our session, so the kernel's
+    autogroup scheduling does not make it a group an engine can starve of CPU."""
+    require_or_skip(RedisServer.available())
+    with RedisServer() as server:
+        assert server.pid is not None
+        assert os.getpgid(server.pid) == server.pid
+        assert os.getsid(server.pid) == os.getsid(0)
+
+
 def test_a_redis_password_never_appears_on_the_server_command_line():
     """``ps`` shows every process's command line, and mirakuru logs it at DEBUG."""
     require_or_skip(RedisServer.available())

@@ -1,10 +1,11 @@
 """Server processes that mirakuru starts and waits for, that stop promptly, and die with us.
 
-mirakuru runs each server in its own session (a signal to the group reaches whatever it
-forked), waits until its port (or HTTP endpoint) answers, and kills leftovers when the
-interpreter exits. It cannot act when this process is SIGKILLed; on Linux the child
-asks the kernel for that (``PR_SET_PDEATHSIG``) before it executes the server, so a
-test runner killed mid-run leaves no redis-server or mooncake process behind.
+Each server runs in a process group of its own (a signal to the group reaches whatever
+it forked), mirakuru waits until its port (or HTTP endpoint) answers, and kills
+leftovers when the interpreter exits. It cannot act when this process is SIGKILLed; on
+Linux the child asks the kernel for that (``PR_SET_PDEATHSIG``) before it executes the
+server, so a test runner killed mid-run leaves no redis-server or mooncake process
+behind.
 
 Stopping is ours, not mirakuru's, so that Ctrl-C ends a dev server promptly whatever it
 was doing (issue 15: once more than 30 s on a loaded machine):
@@ -100,8 +101,16 @@ def cannot_run(binary: str | Path | None, hint: str) -> str | None:
     return None
 
 
-def _new_session_dying_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn``: a session of its own (as mirakuru does) and SIGKILL when we die.
+def _own_group_dying_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn``: a process group of its own and SIGKILL when we die.
+
+    A group, not a session of its own as mirakuru makes: where the kernel groups
+    processes by session for scheduling (``sched_autogroup``, on by default in many
+    distributions' kernels), a session of its own makes the server a scheduling group
+    of its own, and an engine busy on the same CPUs starved it of any CPU for up to
+    5 s (docs/performance.md, "A store server starved by the engine"). In our session
+    it gets its share as any other process does. A terminal's Ctrl-C still reaches only
+    the foreground group, so stopping stays ours.
 
     The kernel sends the death signal when the *thread* that forked exits, so it is
     only asked for from the main thread, which lives as long as the process.
@@ -116,7 +125,7 @@ def _new_session_dying_with_parent() -> Callable[[], None]:
         # The fork ran with SIGINT and SIGTERM blocked (_signals_held): the server must
         # not inherit that, or it would ignore the SIGTERM that stops it.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-        os.setsid()
+        os.setpgid(0, 0)
         if prctl is not None:
             prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
             if os.getppid() != parent:  # we died before the request took effect
@@ -129,7 +138,7 @@ class _DiesWithParent(SimpleExecutor):
     @property
     def _popen_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = super()._popen_kwargs
-        kwargs["preexec_fn"] = _new_session_dying_with_parent()
+        kwargs["preexec_fn"] = _own_group_dying_with_parent()
         return kwargs
 
 
