@@ -27,6 +27,9 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-lmdb-bare  the same as kvconn-lmdb with ``checksum = "none"``: bare pages, for
                 a store the deployment trusts; what the checksum costs a load
   kvconn-redis  kvconn's adapter on Redis (a redis-server started on a free loopback port)
+  kvconn-redis-poll  the same with ``idle_wait_s = 0`` (keys in a namespace of their own):
+                vLLM's idle steps poll without pause while a hit loads or a lookup is
+                answered, on every rank
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
 
@@ -155,6 +158,12 @@ CONFIGS = {
         ),
         Config("kvconn-redis", "kvconn, Redis", "TimedKvconnConnector", persistent=True),
         Config(
+            "kvconn-redis-poll",
+            "kvconn, Redis, no idle wait",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
     )
@@ -172,7 +181,7 @@ LMDB_VARIANTS: dict[str, dict[str, Any]] = {
 
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
-ON_REQUEST = ("kvconn-lmdb-poll", "kvconn-lmdb-thread", "kvconn-lmdb-bare")
+ON_REQUEST = ("kvconn-lmdb-poll", "kvconn-lmdb-thread", "kvconn-lmdb-bare", "kvconn-redis-poll")
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
 #: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
@@ -453,7 +462,7 @@ def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> 
     stores.example.mkdir(parents=True, exist_ok=True)
     configs = set(configs)
     with contextlib.ExitStack() as stack:
-        if "kvconn-redis" in configs:
+        if configs & {"kvconn-redis", "kvconn-redis-poll"}:
             try:
                 from kvconn.tools.devserver.redis import RedisServer
 
@@ -548,6 +557,9 @@ class Runner:
             extra = self.kvconn_extra("lmdb", own) | LMDB_VARIANTS[config]
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
+        elif config == "kvconn-redis-poll":  # the same server, keys of its own
+            poll: dict[str, Any] = {"namespace": "poll", "idle_wait_s": 0}
+            extra = self.kvconn_extra("redis", {"url": self.stores.redis_url}) | poll
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":
@@ -564,7 +576,7 @@ class Runner:
 
     def unavailable(self, config: str) -> str | None:
         """Why a configuration cannot run at all in this run, if it cannot."""
-        if config == "kvconn-redis" and self.stores.redis_url is None:
+        if config.startswith("kvconn-redis") and self.stores.redis_url is None:
             return f"redis-server did not start: {self.stores.redis_error}"
         if config == "mooncake" and self.stores.mooncake_config is None:
             return f"Mooncake master/storage did not start: {self.stores.mooncake_error}"
@@ -620,8 +632,11 @@ class Runner:
         begun = time.monotonic()
         self.load.append(os.getloadavg()[0])
         with open(log, "w") as stream:
+            # a process group of its own (stopped as one), in this session: a session of
+            # its own would make it a scheduling group of its own under the kernel's
+            # autogroup, which starved redis-server for seconds (docs/performance.md)
             proc = subprocess.Popen(
-                command, env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=env, stdout=stream, stderr=subprocess.STDOUT, preexec_fn=os.setpgrp
             )
             try:
                 code = proc.wait(timeout=self.args.engine_timeout)

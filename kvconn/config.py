@@ -101,11 +101,12 @@ class ConnectorConfig:
     #: An asynchronous load not finished this long after it was submitted fails its
     #: blocks (the engine recomputes them); its late bytes never reach the slots.
     load_timeout_s: float = 30.0
-    #: An engine step with nothing to compute while loads are in flight (vLLM's loop
-    #: while a hit loads) waits this long at most for the next load to finish, instead
-    #: of returning at once to poll again: the polling loop would take the core and the
-    #: GIL from the load it waits for. A request arriving meanwhile waits as long.
-    #: 0: never wait.
+    #: An engine step with nothing to compute (vLLM's loop while a hit loads or a
+    #: lookup is answered) waits this long at most, for the rank's next load to finish
+    #: or, on a rank with none in flight, the whole time, instead of returning at once
+    #: to poll again: the polling loop would take the core and the GIL from the load,
+    #: or a store server on the same host, it waits for. A request arriving meanwhile
+    #: waits as long. 0: never wait.
     idle_wait_s: float = 0.005
     #: Read each page several TP ranks hold once per group and pass it over the group
     #: (kvconn.striped_load): the engine adapter builds a gloo group of its TP ranks.

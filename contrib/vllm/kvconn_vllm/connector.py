@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -131,14 +132,19 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
-def wait_for_a_load(handles: Sequence[Handle], wait_s: float) -> None:
-    """Return when one of ``handles`` (loads, oldest first) is done, or after ``wait_s``.
+def wait_while_idle(handles: Sequence[Handle], wait_s: float) -> None:
+    """An idle step's wait: until one of ``handles`` (this rank's loads, oldest first) is
+    done, or ``wait_s`` has passed; the whole ``wait_s`` when the rank has none.
 
     At once if one is done already or ``wait_s`` is 0. Only the oldest is waited on: the
     load threads take loads in the order they were submitted, so it finishes first.
     """
-    if handles and wait_s > 0 and not any(h.done() for h in handles):
+    if wait_s <= 0 or any(h.done() for h in handles):
+        return
+    if handles:
         handles[0].wait(wait_s)
+    else:
+        time.sleep(wait_s)
 
 
 def _transfer_cpus() -> frozenset[int] | None:
@@ -312,20 +318,24 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._saving.setdefault(save.req_id, []).append(handle)
 
     def _wait_when_idle(self) -> None:
-        """In a step that computes nothing, wait up to ``idle_wait_s`` for a load.
+        """In a step that computes nothing, wait up to ``idle_wait_s``: for this rank's
+        oldest load if it has loads in flight, else the whole time.
 
         While a hit loads and nothing else runs, vLLM's engine loop steps without pause
         (schedule, an empty step, poll the connector): on a CPU it takes the core and,
         in this process, the GIL from the load it waits for (a 47 MiB load took 2.5
         memcpys in vLLM against 1.6 outside it; docs/performance.md). Waiting here for
         the oldest load, which the load threads finish first, returns as soon as one
-        is done.
+        is done. A rank with no load of its own waits too: the step then waits on
+        another rank's load, a lookup or a save, and its empty steps took the CPU that
+        work needs (at TP=2 the rank done first spun at 93% of its core while the other
+        waited on a redis-server that got none; docs/performance.md).
         """
-        if not self._loading or not self.has_connector_metadata():
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, KvconnMetadata) and meta.idle:
-            wait_for_a_load([h for h, _ in self._loading.values()], self._config.idle_wait_s)
+            wait_while_idle([h for h, _ in self._loading.values()], self._config.idle_wait_s)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
