@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -105,13 +107,22 @@ def test_a_deadline_lookup_answers_at_once_when_the_store_is_quick():
         asker.close()
 
 
-def test_a_stalled_store_gets_ask_again_later_then_a_miss_never_a_waiting_scheduler():
-    layout = minimax_m3(tp_size=2)
+@contextlib.contextmanager
+def stalled_store(**deadlines: Any) -> Iterator[tuple[GatedBackend, DeadlineLookup]]:
+    """A store whose ``exists`` hangs until released, and a lookup of it within
+    ``deadlines`` (``DeadlineLookup``'s arguments); released and closed afterwards."""
     store = GatedBackend()
-    lookup = Lookup(CONFIG, layout, backend=store)
-    asker = DeadlineLookup(lookup, wait_s=0.005, timeout_s=0.2)
+    asker = DeadlineLookup(Lookup(CONFIG, minimax_m3(tp_size=2), backend=store), **deadlines)
     store.hold("exists")
     try:
+        yield store, asker
+    finally:
+        store.release("exists")
+        asker.close()
+
+
+def test_a_stalled_store_gets_ask_again_later_then_a_miss_never_a_waiting_scheduler():
+    with stalled_store(wait_s=0.005, timeout_s=0.2) as (_, asker):
         slowest = 0.0
         answers = []
         deadline = time.monotonic() + 5
@@ -128,34 +139,18 @@ def test_a_stalled_store_gets_ask_again_later_then_a_miss_never_a_waiting_schedu
         assert not answers[-1].available
         assert slowest < 0.1  # each ask waited about wait_s, not for the store
         assert asker.timed_out == 1
-    finally:
-        store.release("exists")
-        asker.close()
 
 
 def test_a_stalled_store_does_not_queue_lookups_without_bound():
-    layout = minimax_m3(tp_size=2)
-    store = GatedBackend()
-    lookup = Lookup(CONFIG, layout, backend=store)
-    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=60.0, max_pending=3)
-    store.hold("exists")
-    try:
+    with stalled_store(wait_s=0.0, timeout_s=60.0, max_pending=3) as (_, asker):
         assert [asker.ask(i, HASHES) for i in range(3)] == [None] * 3
         fourth = asker.ask(3, HASHES)
         assert fourth is not None and fourth.blocks == 0 and not fourth.available
-    finally:
-        store.release("exists")
-        asker.close()
 
 
 def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_took(caplog):
     """A hit that became a recompute because the store was late must not be silent."""
-    layout = minimax_m3(tp_size=2)
-    store = GatedBackend()
-    lookup = Lookup(CONFIG, layout, backend=store)
-    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=0.05, max_pending=1)
-    store.hold("exists")
-    try:
+    with stalled_store(wait_s=0.0, timeout_s=0.05, max_pending=1) as (store, asker):
         with caplog.at_level("WARNING", logger="kvconn"):
             assert asker.ask("r1", HASHES) is None
             time.sleep(0.06)
@@ -180,19 +175,11 @@ def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_t
         took_ms = float(answered[0].split("after ")[1].split(" ms")[0])
         assert took_ms >= 50
         assert asker.timed_out == 2
-    finally:
-        store.release("exists")
-        asker.close()
 
 
 def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
-    layout = minimax_m3(tp_size=2)
-    store = GatedBackend()
-    lookup = Lookup(CONFIG, layout, backend=store)
-    asker = DeadlineLookup(lookup, wait_s=0.0, timeout_s=60.0, max_pending=2)
-    asker.LATE_LOG_INTERVAL_S = 0.0
-    store.hold("exists")
-    try:
+    with stalled_store(wait_s=0.0, timeout_s=60.0, max_pending=2) as (_, asker):
+        asker.LATE_LOG_INTERVAL_S = 0.0
         with caplog.at_level("WARNING", logger="kvconn"):
             assert [asker.ask(i, HASHES) for i in range(2)] == [None] * 2
             asker.ask(2, HASHES)
@@ -202,9 +189,6 @@ def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
             f"unanswered, so it was served as a miss ({n} such misses so far)"
             for n in (1, 2)
         ]
-    finally:
-        store.release("exists")
-        asker.close()
 
 
 def test_an_answer_that_arrives_late_is_returned_when_asked_again():
