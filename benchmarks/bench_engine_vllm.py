@@ -17,6 +17,8 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-lmdb   kvconn's adapter on LMDB (a temporary directory)
   kvconn-lmdb-poll  the same with ``idle_wait_s = 0``: while a hit loads, vLLM's idle
                 steps poll the connector without pause, as before that setting existed
+  kvconn-lmdb-inherit  the same with ``transfer_cpus = "inherit"``: the transfer threads
+                stay on the step's cores instead of the core vLLM keeps for KV transfers
   kvconn-lmdb-thread  the same with ``lookup_inline = false``: the scheduler asks LMDB
                 through the lookup thread, as it asks a store across a network, not on
                 its own thread
@@ -30,6 +32,8 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-redis-poll  the same with ``idle_wait_s = 0`` (keys in a namespace of their own):
                 vLLM's idle steps poll without pause while a hit loads or a lookup is
                 answered, on every rank
+  kvconn-redis-inherit  the same with ``transfer_cpus = "inherit"`` (keys in a namespace
+                of their own): not on the kept core, which at TP=1 the server shares
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
 
@@ -138,6 +142,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-lmdb-inherit",
+            "kvconn, LMDB, step's cores",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "kvconn-lmdb-thread",
             "kvconn, LMDB, lookup thread",
             "TimedKvconnConnector",
@@ -164,6 +174,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-redis-inherit",
+            "kvconn, Redis, step's cores",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
     )
@@ -174,14 +190,28 @@ CONFIGS = {
 #: second would hit in its first run.
 LMDB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-lmdb-poll": {"idle_wait_s": 0},
+    "kvconn-lmdb-inherit": {"transfer_cpus": "inherit"},
     "kvconn-lmdb-thread": {"lookup_inline": False},
     "kvconn-lmdb-cached": {},  # vLLM's prefix cache on (Config.prefix_caching)
     "kvconn-lmdb-bare": {"checksum": "none"},
 }
 
+#: kvconn on Redis with one setting changed, each over keys of a namespace of its own on
+#: the same server (for the reason above).
+REDIS_VARIANTS: dict[str, dict[str, Any]] = {
+    "kvconn-redis-poll": {"namespace": "poll", "idle_wait_s": 0},
+    "kvconn-redis-inherit": {"namespace": "inherit", "transfer_cpus": "inherit"},
+}
+
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
-ON_REQUEST = ("kvconn-lmdb-poll", "kvconn-lmdb-thread", "kvconn-lmdb-bare", "kvconn-redis-poll")
+ON_REQUEST = (
+    "kvconn-lmdb-poll",
+    "kvconn-lmdb-inherit",
+    "kvconn-lmdb-thread",
+    "kvconn-lmdb-bare",
+    *REDIS_VARIANTS,
+)
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
 #: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
@@ -462,7 +492,7 @@ def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> 
     stores.example.mkdir(parents=True, exist_ok=True)
     configs = set(configs)
     with contextlib.ExitStack() as stack:
-        if configs & {"kvconn-redis", "kvconn-redis-poll"}:
+        if configs & {"kvconn-redis", *REDIS_VARIANTS}:
             try:
                 from kvconn.tools.devserver.redis import RedisServer
 
@@ -557,9 +587,9 @@ class Runner:
             extra = self.kvconn_extra("lmdb", own) | LMDB_VARIANTS[config]
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
-        elif config == "kvconn-redis-poll":  # the same server, keys of its own
-            poll: dict[str, Any] = {"namespace": "poll", "idle_wait_s": 0}
-            extra = self.kvconn_extra("redis", {"url": self.stores.redis_url}) | poll
+        elif config in REDIS_VARIANTS:  # the same server, keys of its own
+            extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
+            extra |= REDIS_VARIANTS[config]
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":

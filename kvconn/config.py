@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from kvconn.cpus import check_setting as check_transfer_cpus
 from kvconn.errors import ConfigError
 from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
 from kvconn.integrity import PageChecksum
@@ -108,6 +109,11 @@ class ConnectorConfig:
     #: or a store server on the same host, it waits for. A request arriving meanwhile
     #: waits as long. 0: never wait.
     idle_wait_s: float = 0.005
+    #: Where the transfer threads (loads, saves) run (kvconn.cpus): ``"auto"``, the
+    #: cores the engine keeps for KV transfers where the adapter knows them (vLLM's CPU
+    #: backend), else where they start; ``"inherit"``, where they start (in an engine
+    #: that binds its compute threads, the step's cores); or a CPU list (``"6-7"``).
+    transfer_cpus: str = "auto"
     #: Read each page several TP ranks hold once per group and pass it over the group
     #: (kvconn.striped_load): the engine adapter builds a gloo group of its TP ranks.
     #: Pays against a store behind a network; against an embedded one (LMDB) the
@@ -138,6 +144,7 @@ class ConnectorConfig:
         object.__setattr__(self, "writer_policy", WriterPolicy.parse(self.writer_policy))
         for name in ("staging_bytes", "inflight_bytes"):
             object.__setattr__(self, name, _size(getattr(self, name), name))
+        object.__setattr__(self, "transfer_cpus", check_transfer_cpus(self.transfer_cpus))
         PageChecksum(self.checksum)  # anything but a known name: a ConfigError listing them
         for name in ("stripe_reads", "lookup_inline"):
             if not isinstance(getattr(self, name), bool):

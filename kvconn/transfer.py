@@ -50,6 +50,7 @@ import torch
 
 from kvconn.arena import Arena, Piece
 from kvconn.connector import CapturedPages, Connector
+from kvconn.cpus import AUTO, placement
 from kvconn.errors import ConnectorClosed
 from kvconn.gate import ScatterGate
 from kvconn.plan import WriterPolicy
@@ -215,14 +216,25 @@ class TransferService:
         """``load_threads`` is ignored over a TP group: its loads run on one thread, in
         submission order (module docstring).
 
-        ``cpus``: the CPUs the transfer threads run on. None: those of the thread that
-        starts them, which in an engine that binds its compute threads to cores is the
-        step's own core. An engine that keeps cores for KV transfers (vLLM's CPU
-        backend) names them here, so that a load or a save does not take the core the
-        forward pass is running on. A set the system refuses is logged and ignored.
+        ``cpus``: the engine adapter's suggestion of CPUs for the transfer threads,
+        taken when the configuration's ``transfer_cpus`` is ``"auto"``; ``"inherit"``
+        ignores it and a CPU list replaces it (:mod:`kvconn.cpus`). None: the threads
+        run where the thread that starts them runs, which in an engine that binds its
+        compute threads to cores is the step's own core. An engine that keeps cores for
+        KV transfers (vLLM's CPU backend) suggests them, so that a load or a save does
+        not take the core the forward pass is running on. A set the system refuses is
+        logged and ignored.
         """
         if load_threads < 1:
             raise ValueError(f"load_threads must be >= 1, got {load_threads}")
+        setting = connector.config.transfer_cpus
+        cpus = placement(setting, cpus, os.cpu_count())
+        if setting != AUTO:
+            log.info(
+                "kvconn: transfer threads %s (transfer_cpus = %r)",
+                "where they start" if cpus is None else f"on CPUs {sorted(cpus)}",
+                setting,
+            )
         if cpus is not None:
             cpus = frozenset(cpus)
             if not cpus or any(

@@ -43,6 +43,11 @@ def test_the_model_revision_is_required():
         ("writer_policy", "rank0", "writer_policy"),
         ("options", "path=/x", "options must be a table"),
         ("backend", "", "backend must be"),
+        ("transfer_cpus", "cores 6-7", "transfer_cpus: 'cores 6-7' is not a CPU number or range"),
+        ("transfer_cpus", "3-1", "transfer_cpus: the range '3-1' runs backwards"),
+        ("transfer_cpus", " , ", "transfer_cpus names no CPU"),
+        ("transfer_cpus", "0-99999999", "CPU 99999999 is beyond any machine's"),
+        ("transfer_cpus", ["6", "7"], "transfer_cpus must be 'auto', 'inherit' or a CPU list"),
     ],
 )
 def test_bad_values_name_the_field(field, value, message):
@@ -110,6 +115,15 @@ def test_environment_variables_overlay_the_file_and_set_backend_options(tmp_path
     assert cfg.writer_policy is WriterPolicy.FIRST
     assert cfg.options == {"path": "/data", "map_size": 1 << 30}
     assert cfg.staging_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"), [("auto", "auto"), (" inherit ", "inherit"), ("6-7,9", "6-7,9"), (3, "3")]
+)
+def test_transfer_cpus_takes_auto_inherit_or_a_cpu_list(given, kept):
+    assert ConnectorConfig.from_dict({"model": "m", "transfer_cpus": given}).transfer_cpus == kept
+    env = {"KVCONN_MODEL": "m", "KVCONN_TRANSFER_CPUS": str(given)}
+    assert ConnectorConfig.from_env(env).transfer_cpus == kept
 
 
 def test_an_unknown_kvconn_environment_variable_is_an_error():

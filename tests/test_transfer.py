@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kvconn.backend import Capabilities
-from kvconn.errors import ArgumentError, BackendUnavailable, ConnectorClosed
+from kvconn.connector import Connector
+from kvconn.errors import ArgumentError, BackendUnavailable, ConfigError, ConnectorClosed
 from kvconn.hashing import block_hashes
 from kvconn.integrity import PageChecksum
 from kvconn.keys import parse_manifest_key
@@ -435,6 +437,51 @@ def test_transfer_threads_run_on_the_cpus_the_engine_keeps_for_them(services):
         os.sched_getaffinity(t.native_id) == chosen for t in service._threads
     )
     assert os.sched_getaffinity(0) == own
+
+
+def placed(conn, setting):
+    """``conn`` with ``transfer_cpus = setting``: the same layout, pools and store."""
+    return Connector(
+        replace(conn.config, transfer_cpus=setting),
+        conn.layout,
+        rank=conn.rank,
+        pools=conn.pools,
+        backend=conn.backend,
+    )
+
+
+def test_transfer_cpus_inherit_leaves_the_threads_where_they_start(services, caplog):
+    """What the engine suggests is not taken: a store server on the kept core, say,
+    would take turns with the reads it serves."""
+    own = os.sched_getaffinity(0)
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    with caplog.at_level("INFO", logger="kvconn"):
+        service = service_for(placed(conn, "inherit"), services, cpus={max(own)})
+    assert service.cpus is None
+    assert "transfer threads where they start (transfer_cpus = 'inherit')" in caplog.text
+    assert service.save(HASHES, SLOTS).wait(10)
+    assert service._threads and all(
+        os.sched_getaffinity(t.native_id) == own for t in service._threads
+    )
+
+
+def test_transfer_cpus_named_in_the_config_replace_the_engines_suggestion(services, caplog):
+    own = os.sched_getaffinity(0)
+    chosen = min(own)
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    with caplog.at_level("INFO", logger="kvconn"):
+        service = service_for(placed(conn, str(chosen)), services, cpus={max(own) + 1})
+    assert service.cpus == {chosen}
+    assert f"transfer threads on CPUs [{chosen}] (transfer_cpus = '{chosen}')" in caplog.text
+    assert service.load(HASHES, SLOTS).wait(10)
+    assert all(os.sched_getaffinity(t.native_id) == {chosen} for t in service._threads)
+
+
+def test_transfer_cpus_naming_a_cpu_this_machine_lacks_is_refused_at_start_up():
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    missing = os.cpu_count()
+    with pytest.raises(ConfigError, match=f"transfer_cpus names CPU {missing}, but this machine"):
+        TransferService(placed(conn, f"0,{missing}"))
 
 
 def test_cpus_the_system_refuses_are_logged_and_the_transfers_still_run(services, caplog):

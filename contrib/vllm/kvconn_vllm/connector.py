@@ -54,6 +54,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
+from kvconn.cpus import AUTO
 from kvconn.errors import ConfigError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT, KvLayout
@@ -266,7 +267,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             pools=pools,
             group=_tp_group(self._config),
         )
-        self._service = TransferService(self._conn, cpus=_transfer_cpus())
+        auto = self._config.transfer_cpus == AUTO  # else the setting decides, not vLLM
+        self._service = TransferService(self._conn, cpus=_transfer_cpus() if auto else None)
 
     def get_handshake_metadata(self) -> LayoutHandshake | None:
         return None if self._layout is None else LayoutHandshake(self._layout.to_dict())

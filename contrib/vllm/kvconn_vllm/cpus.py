@@ -9,7 +9,8 @@ the count), taken from the end of each rank's cores; and its NIXL connector move
 transfer work to the last physical core of each NUMA node (the highest of each list
 ``discover_numa_topology`` gives). kvconn's transfer threads run on that core of their
 rank's own NUMA node, unless a rank's OpenMP threads are bound to it (no core was
-kept), in which case nothing changes.
+kept), in which case nothing changes. That is kvconn's ``transfer_cpus = "auto"``;
+the setting can also keep them on the step's cores or name others (:mod:`kvconn.cpus`).
 
 Pure functions over what vLLM says, so the choice is testable without an engine.
 """
@@ -20,6 +21,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from kvconn.cpus import parse_cpu_list as cpu_list
+
 __all__ = ["numa_nodes", "parse_cpu_list", "transfer_cpus", "vllm_transfer_cpus"]
 
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
@@ -28,20 +31,7 @@ NODES = Path("/sys/devices/system/node")
 
 def parse_cpu_list(text: str) -> set[int]:
     """CPUs of one rank's list in ``VLLM_CPU_OMP_THREADS_BIND`` syntax (``"0-3,8"``)."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        low, sep, high = part.partition("-")
-        if not (low.strip().isdigit() and (not sep or high.strip().isdigit())):
-            raise ValueError(f"{BIND_VARIABLE}: {part!r} is not a CPU number or range")
-        first = int(low)
-        last = int(high) if sep else first
-        if last < first:
-            raise ValueError(f"{BIND_VARIABLE}: the range {part!r} runs backwards")
-        cpus.update(range(first, last + 1))
-    return cpus
+    return cpu_list(text, BIND_VARIABLE)
 
 
 def numa_nodes(root: Path = NODES) -> list[set[int]]:
