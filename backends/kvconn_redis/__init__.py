@@ -26,11 +26,13 @@ What kvconn adds around it:
   and when the probe's connection opens but breaks, a look at the transport
   (:mod:`kvconn_redis._transport`): ``redis://`` at a TLS port, ``rediss://`` at a plain
   one, a missing client certificate are configuration errors, not an outage;
-* values sent from the caller's buffers without a join, and each fetched value copied
-  once into the caller's buffer after its size was checked, or not at all when the
-  caller borrows the values (``borrow``, ``Capabilities.borrowed_reads``): a load then
-  verifies each page where redis-py parsed it and scatters it into the KV pool from
-  there, one copy of the bytes fewer.
+* values sent from the caller's buffers without a join; on one server, an ``MGET``
+  reply read off the socket into a buffer the reading thread keeps from call to call
+  (:mod:`kvconn_redis._reply`), not parsed into new ``bytes`` per value; each value is
+  then copied once into the caller's buffer after its size was checked, or not at all
+  when the caller borrows the values (``borrow``, ``Capabilities.borrowed_reads``): a
+  load then verifies each page where the socket's bytes landed and scatters it into the
+  KV pool from there.
 
 Threads: one backend may be called from several threads at once
 (``Capabilities.thread_safe``). redis-py's clients and pools are made to be shared: each
@@ -231,25 +233,19 @@ class RedisBackend(Backend):
     def _borrow(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
         """Views of the values one ``MGET`` brought, lent until the block ends.
 
-        The values are ``bytes`` that redis-py made for this call alone, so nothing
-        another client writes, deletes or evicts meanwhile can change them. A key
+        The values are this call's copy (on one server, in the thread's reply buffer,
+        reused only once no view of it is left; in a cluster, ``bytes`` redis-py made),
+        so nothing another client writes, deletes or evicts meanwhile can change them. A key
         holding no string is lent as an empty view: stored but never a page, so the
         load counts it as unreadable and the connector deletes it, as after a ``get``
         asked why. The views are released when the block ends, as LMDB's are, so that
         a caller keeping one finds out on either store.
         """
-        values = self._call("get", self._client.fetch, keys, True)
-        views = [
-            None if value is None else memoryview(value if isinstance(value, bytes) else b"")
-            for value in values
-        ]
+        lent = self._call("get", self._client.lend, keys, True)
         try:
-            yield views
+            yield lent.views
         finally:
-            for view in views:
-                if view is not None:
-                    with contextlib.suppress(BufferError):  # exported: the bytes stay alive
-                        view.release()
+            lent.release()
 
     def _delete(self, keys: list[str]) -> Sequence[bool]:
         return self._call("delete", self._client.delete, keys)

@@ -9,9 +9,11 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
   writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
   server is full and may not evict) fails only that key: a dropped save.
-* ``fetch`` — one ``MGET`` on a server (``GET`` per key in a cluster, whose ``MGET`` needs
-  one slot): the values as redis-py parsed them, which the backend lends (``borrow``).
-* ``read`` — ``fetch``, then each value is checked against its buffer's size and copied
+* ``lend`` — one ``MGET`` on a server, read off the socket into the thread's reused
+  reply buffer (:mod:`kvconn_redis._reply`); ``GET`` per key in a cluster, whose
+  ``MGET`` needs one slot, as redis-py parses them (``fetch``). The backend lends the
+  values (``borrow``).
+* ``read`` — ``lend``, then each value is checked against its buffer's size and copied
   into it once. A value of another size, or a key that holds no string, fails and its buffer
   stays untouched. Asked why (``explain``), a key that did not load is ``MISSING`` or
   ``WRONG_SIZE`` (stored but unreadable: the connector deletes it). ``MGET`` answers nil
@@ -28,6 +30,7 @@ connection (``_READ_SIZE``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -37,6 +40,7 @@ from typing import Any, Protocol, cast
 
 import redis
 from redis import exceptions as rx
+from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
@@ -52,6 +56,7 @@ from kvconn_redis._deadline import (
     DeadlineUnixConnection,
 )
 from kvconn_redis._errors import error_code, reply_error
+from kvconn_redis._reply import ProtocolError, Reply, ReplyBuffers, ReplyError, read_mget
 
 __all__ = ["CLIENT_ERRORS", "Client", "ClusterClient", "ServerClient", "make_client"]
 
@@ -91,6 +96,57 @@ class _NotAString:
 NOT_A_STRING = _NotAString()
 #: A key's answer to ``fetch``: its value, ``NOT_A_STRING``, or ``None`` (absent).
 Fetched = bytes | _NotAString | None
+
+
+class Lent:
+    """Read-only views of one batch's values (None: absent; empty: :data:`NOT_A_STRING`),
+    valid until :meth:`release`, which returns their memory for reuse unless a view is
+    still held somewhere (then that memory is simply never reused)."""
+
+    __slots__ = ("_base", "_buffer", "_buffers", "views")
+
+    def __init__(
+        self,
+        views: list[memoryview | None],
+        base: memoryview | None = None,
+        buffers: ReplyBuffers | None = None,
+        buffer: bytearray | None = None,
+    ) -> None:
+        self.views = views
+        self._base, self._buffers, self._buffer = base, buffers, buffer
+
+    def release(self) -> None:
+        for view in self.views:
+            if view is not None:
+                with contextlib.suppress(BufferError):  # exported: checked below
+                    view.release()
+        if self._base is not None:
+            with contextlib.suppress(BufferError):
+                self._base.release()
+        buffer, self._buffer = self._buffer, None
+        if self._buffers is not None and buffer and _unexported(buffer):
+            self._buffers.give(buffer)
+
+
+def _unexported(buffer: bytearray) -> bool:
+    """Whether no view of ``buffer`` is alive (a slice the borrower made of a lent view
+    keeps it exported, unseen by the views above). A resize is refused while one is;
+    dropping the last byte and putting it back resizes within the allocation."""
+    try:
+        last = buffer.pop()
+    except BufferError:
+        return False
+    buffer.append(last)
+    return True
+
+
+def _views_of(values: Sequence[Fetched]) -> list[memoryview | None]:
+    return [
+        None if value is None else memoryview(value if isinstance(value, bytes) else b"")
+        for value in values
+    ]
+
+
 #: Bytes every key of ours is made of (printable ASCII, no space): anything else in a
 #: listing was written by another program and is skipped, never decoded blindly.
 _KEY_BYTES = bytes(range(0x21, 0x7F))
@@ -105,7 +161,7 @@ class Client(Protocol):
 
     def put(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[bool]: ...
 
-    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]: ...
+    def lend(self, keys: Sequence[str], explain: bool) -> Lent: ...
 
     def read(
         self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
@@ -224,23 +280,36 @@ class _Commands:
         A server answers every key it was asked about, so a key with no value is either
         absent or stored as something no buffer can take: never "stored but
         unreachable" (a connection failure raises for the whole call). ``explain``: tell
-        those two apart where the server's answer does not (``MGET``; see ServerClient).
+        those two apart where the server's answer does not (``MGET``; see
+        :meth:`ServerClient.lend`, which reads replies itself and needs no ``fetch``).
         """
         raise NotImplementedError
+
+    def lend(self, keys: Sequence[str], explain: bool) -> Lent:
+        """:meth:`fetch`'s values as views, for the caller to read in place and release.
+
+        Here the values are ``bytes`` made for this call; :class:`ServerClient` reads
+        them into a buffer its thread reuses instead.
+        """
+        return Lent(_views_of(self.fetch(keys, explain)))
 
     def read(
         self, keys: Sequence[str], buffers: Sequence[memoryview], explain: bool
     ) -> list[ReadStatus]:
         """Copy each value into its buffer when the sizes match; see :meth:`fetch`."""
         out = []
-        for value, buffer in zip(self.fetch(keys, explain), buffers):
-            if value is None:
-                out.append(ReadStatus.MISSING)
-            elif isinstance(value, bytes) and len(value) == buffer.nbytes:
-                buffer[:] = value
-                out.append(ReadStatus.LOADED)
-            else:  # another size, or not a string
-                out.append(ReadStatus.WRONG_SIZE)
+        lent = self.lend(keys, explain)
+        try:
+            for view, buffer in zip(lent.views, buffers):
+                if view is None:
+                    out.append(ReadStatus.MISSING)
+                elif view.nbytes == buffer.nbytes:  # NOT_A_STRING is lent empty
+                    buffer[:] = view
+                    out.append(ReadStatus.LOADED)
+                else:  # another size, or not a string
+                    out.append(ReadStatus.WRONG_SIZE)
+        finally:
+            lent.release()
         return out
 
     def _probe_key(self, key_prefix: str) -> str:
@@ -328,6 +397,7 @@ class ServerClient(_Commands):
             **options,
         )
         self._redis = redis.Redis(connection_pool=self._pool)
+        self._buffers = ReplyBuffers()
 
     def _pipeline(self) -> Any:
         return self._redis.pipeline(transaction=False)
@@ -347,15 +417,32 @@ class ServerClient(_Commands):
             )
         self._check_probe(probe, key_prefix)
 
-    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]:
-        prefix = self.prefix
+    def lend(self, keys: Sequence[str], explain: bool) -> Lent:
+        """One ``MGET`` read off the socket into this thread's reply buffer
+        (:mod:`kvconn_redis._reply`), its values lent where they landed.
+
+        One attempt per connection error as redis-py's own commands get (its
+        ``retry``: a pooled connection the server closed since is replaced), all within
+        the call's deadline; after any error mid-reply the connection is dropped.
+        """
+        names = [self.prefix + key for key in keys]
+        conn = self._pool.get_connection()
         try:
-            values: list[Fetched] = self._redis.execute_command(  # type: ignore[no-untyped-call]
-                "MGET", *[prefix + key for key in keys]
+            reply = conn.retry.call_with_retry(
+                lambda: self._mget(conn, names), lambda _error: conn.disconnect()
             )
-        except rx.ResponseError as exc:
+        except rx.ResponseError as exc:  # the whole reply was read: the connection is fine
             raise reply_error(exc, self.config, "get") from exc
-        nil = [i for i, value in enumerate(values) if value is None] if explain else []
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+        base = memoryview(reply.buffer).toreadonly()
+        views: list[memoryview | None] = [
+            None if span is None else base[span[0] : span[0] + span[1]] for span in reply.spans
+        ]
+        nil = [i for i, view in enumerate(views) if view is None] if explain else []
         if nil:
             # MGET's nil is also its answer for a key holding a list or a hash: such a
             # key is stored and can never load. (A key stored between the two round
@@ -363,8 +450,25 @@ class ServerClient(_Commands):
             # wrong byte, as in the connector's own check.)
             for i, there in zip(nil, self.exists([keys[i] for i in nil])):
                 if there:
-                    values[i] = NOT_A_STRING
-        return values
+                    views[i] = base[0:0]
+        return Lent(views, base, self._buffers, reply.buffer)
+
+    def _mget(self, conn: Any, names: list[str]) -> Reply:
+        """Send ``MGET`` and read its reply; redis-py's errors for what goes wrong."""
+        conn.send_command("MGET", *names)
+        buffer = self._buffers.take()
+        try:
+            try:
+                return read_mget(conn._sock, len(names), buffer)
+            except BaseException:
+                self._buffers.give(buffer)  # no view of it was made
+                raise
+        except ReplyError as exc:
+            raise BaseParser.parse_error(str(exc)) from None  # type: ignore[no-untyped-call]
+        except TimeoutError as exc:  # the socket's timeout or the call's deadline
+            raise rx.TimeoutError(f"Timeout reading from {self.config.where}") from exc
+        except (OSError, ProtocolError) as exc:
+            raise rx.ConnectionError(f"Error reading from {self.config.where}: {exc}") from exc
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         return _scan(self, self._redis, prefix, set())
