@@ -34,6 +34,8 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 answered, on every rank
   kvconn-redis-inherit  the same with ``transfer_cpus = "inherit"`` (keys in a namespace
                 of their own): not on the kept core, which at TP=1 the server shares
+  kvconn-redis-parsed  the same with the option ``reuse_reply_buffers = false``: values
+                as redis-py parses them, new memory each, not read into reused buffers
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
 
@@ -180,6 +182,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-redis-parsed",
+            "kvconn, Redis, redis-py's values",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
     )
@@ -201,6 +209,7 @@ LMDB_VARIANTS: dict[str, dict[str, Any]] = {
 REDIS_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-redis-poll": {"namespace": "poll", "idle_wait_s": 0},
     "kvconn-redis-inherit": {"namespace": "inherit", "transfer_cpus": "inherit"},
+    "kvconn-redis-parsed": {"namespace": "parsed", "options": {"reuse_reply_buffers": False}},
 }
 
 #: Variants that answer one question each, run when named: a default run stays the
@@ -588,8 +597,9 @@ class Runner:
         elif config == "kvconn-redis":
             extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
         elif config in REDIS_VARIANTS:  # the same server, keys of its own
-            extra = self.kvconn_extra("redis", {"url": self.stores.redis_url})
-            extra |= REDIS_VARIANTS[config]
+            variant = dict(REDIS_VARIANTS[config])
+            options = {"url": self.stores.redis_url, **variant.pop("options", {})}
+            extra = self.kvconn_extra("redis", options) | variant
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":

@@ -2,18 +2,27 @@
 
 The parser's rules over scripted sockets (the protocol logic in isolation), then the
 backend over a real redis-server that the tests start: its loads lend values from the
-thread's reused buffer, and a view the borrower kept is never written over.
+reused buffers, and a view the borrower kept is never written over.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from kvconn_redis._reply import KEEP_BYTES, ProtocolError, ReplyBuffers, ReplyError, read_mget
+from kvconn_redis._reply import (
+    KEEP_BYTES,
+    KEEP_COUNT,
+    ProtocolError,
+    ReplyBuffers,
+    ReplyError,
+    read_mget,
+)
 
 from kvconn.backend import Backend
+from kvconn.errors import ConfigError
 from kvconn.registry import load_backend
 from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver.redis import RedisServer
@@ -99,33 +108,52 @@ def test_a_server_that_closes_mid_reply_is_a_connection_error():
         read_mget(Scripted(data, 64), 2, bytearray(64))
 
 
-def test_a_thread_gets_its_buffer_back_and_a_huge_one_is_not_kept():
+def test_a_buffer_given_back_is_taken_again_by_any_thread_and_a_huge_one_is_not_kept():
     buffers = ReplyBuffers()
     first = buffers.take()
-    assert buffers.take() is not first  # lent out: a nested call gets its own
+    assert buffers.take() is not first  # lent out: a call meanwhile gets its own
     buffers.give(first)
-    assert buffers.take() is first
+    other: list[bytearray] = []
+    thread = threading.Thread(target=lambda: other.append(buffers.take()))
+    thread.start()
+    thread.join()
+    assert other[0] is first
     buffers.give(bytearray(KEEP_BYTES + 1))
     assert len(buffers.take()) < KEEP_BYTES
 
 
+def test_the_largest_buffers_are_kept_and_taken_first():
+    buffers = ReplyBuffers()
+    sizes = [10, 50, 20, 40, 30]
+    for size in sizes:
+        buffers.give(bytearray(size))
+    assert [len(buffers.take()) for _ in range(KEEP_COUNT)] == [50, 40, 30]
+
+
 # ------------------------------------------------------------ a real server
 @pytest.fixture(scope="module")
-def store() -> Iterator[Backend]:
+def server() -> Iterator[RedisServer]:
     require_or_skip(RedisServer.available())
     server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def store(server: RedisServer) -> Iterator[Backend]:
     backend = load_backend("redis", {"url": server.url})
     try:
         yield backend
     finally:
         backend.close()
-        server.stop()
 
 
 SIZE = 768 << 10
 
 
-def test_a_thread_reads_every_load_into_the_same_buffer(store):
+def test_every_load_is_read_into_the_same_buffer(store):
     keys = [f"reuse/{i}" for i in range(4)]
     assert all(store.put(keys, [memoryview(bytes([i]) * SIZE) for i in range(4)]))
     seen = []
@@ -149,3 +177,28 @@ def test_a_view_kept_past_its_borrow_is_never_written_over_by_a_later_load(store
     kept.release()
     with store.borrow(first) as views:
         assert bytes(views[1][:4]) == b"\x01" * 4
+
+
+def test_without_reused_buffers_values_come_as_redis_py_parses_them(server, store):
+    """``reuse_reply_buffers = false``: the same values, each in memory of its own."""
+    keys = [f"parsed/{i}" for i in range(3)]
+    assert all(store.put(keys, [memoryview(bytes([i + 5]) * SIZE) for i in range(3)]))
+    plain = load_backend("redis", {"url": server.url, "reuse_reply_buffers": False})
+    try:
+        with plain.borrow([*keys, "parsed/absent"]) as views:
+            assert [bytes(v[:2]) for v in views[:3] if v] == [bytes([i + 5]) * 2 for i in range(3)]
+            assert views[3] is None
+            first, second = views[0], views[1]
+            assert first is not None and second is not None
+            assert first.obj is not second.obj  # bytes of their own, not one reply buffer
+        buffers = [memoryview(bytearray(SIZE)) for _ in keys]
+        assert all(plain.get(keys, buffers))
+        assert bytes(buffers[2][:1]) == b"\x07"
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_reuse_reply_buffers_must_be_a_bool(value):
+    with pytest.raises(ConfigError, match="option 'reuse_reply_buffers' must be a bool"):
+        load_backend("redis", {"url": "redis://127.0.0.1:1/0", "reuse_reply_buffers": value})

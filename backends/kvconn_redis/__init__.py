@@ -27,7 +27,7 @@ What kvconn adds around it:
   (:mod:`kvconn_redis._transport`): ``redis://`` at a TLS port, ``rediss://`` at a plain
   one, a missing client certificate are configuration errors, not an outage;
 * values sent from the caller's buffers without a join; on one server, an ``MGET``
-  reply read off the socket into a buffer the reading thread keeps from call to call
+  reply read off the socket into a buffer kept from call to call
   (:mod:`kvconn_redis._reply`), not parsed into new ``bytes`` per value; each value is
   then copied once into the caller's buffer after its size was checked, or not at all
   when the caller borrows the values (``borrow``, ``Capabilities.borrowed_reads``): a
@@ -68,6 +68,12 @@ Options (keyword arguments; ``load_backend("redis", {...})``):
 ``tls_ca_file`` / ``tls_cert_file`` / ``tls_key_file`` / ``tls_verify``
     TLS trust anchor, client certificate and key, and whether to verify the server's
     certificate and host name (default ``True``). Only with ``rediss://``.
+``reuse_reply_buffers``
+    On one server, read each ``MGET`` reply off the socket into a buffer kept for the
+    next read (default ``True``): no new memory per value, no page faults per load, at
+    the cost of the buffers kept (:mod:`kvconn_redis._reply`). ``False``: values come
+    as redis-py parses them, new ``bytes`` each, and nothing is kept between calls.
+    No effect in a cluster.
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ class RedisBackend(Backend):
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
         tls_verify: bool = True,
+        reuse_reply_buffers: bool = True,
     ) -> None:
         """Check the options, then connect once and probe what the server allows.
 
@@ -143,6 +150,7 @@ class RedisBackend(Backend):
             tls_cert_file=tls_cert_file,
             tls_key_file=tls_key_file,
             tls_verify=tls_verify,
+            reuse_reply_buffers=reuse_reply_buffers,
         )
         # redis-py is imported only now: the class must load without it, so that a
         # missing client library is reported with the install hint (client_modules).
@@ -233,7 +241,7 @@ class RedisBackend(Backend):
     def _borrow(self, keys: list[str]) -> Iterator[list[memoryview | None]]:
         """Views of the values one ``MGET`` brought, lent until the block ends.
 
-        The values are this call's copy (on one server, in the thread's reply buffer,
+        The values are this call's copy (on one server, in a reply buffer taken for it,
         reused only once no view of it is left; in a cluster, ``bytes`` redis-py made),
         so nothing another client writes, deletes or evicts meanwhile can change them. A key
         holding no string is lent as an empty view: stored but never a page, so the

@@ -9,7 +9,7 @@ connection that failed mid-batch (a timeout, a reset) instead of reusing it.
 * ``put`` — ``SET key value NX [PX ttl]`` per key: content-addressed keys make "first
   writer wins" right; a key already present answers nil, which is success. ``OOM`` (the
   server is full and may not evict) fails only that key: a dropped save.
-* ``lend`` — one ``MGET`` on a server, read off the socket into the thread's reused
+* ``lend`` — one ``MGET`` on a server, read off the socket into a reused
   reply buffer (:mod:`kvconn_redis._reply`); ``GET`` per key in a cluster, whose
   ``MGET`` needs one slot, as redis-py parses them (``fetch``). The backend lends the
   values (``borrow``).
@@ -281,7 +281,7 @@ class _Commands:
         absent or stored as something no buffer can take: never "stored but
         unreachable" (a connection failure raises for the whole call). ``explain``: tell
         those two apart where the server's answer does not (``MGET``; see
-        :meth:`ServerClient.lend`, which reads replies itself and needs no ``fetch``).
+        :meth:`ServerClient.lend`, which reads replies itself unless told not to).
         """
         raise NotImplementedError
 
@@ -418,13 +418,15 @@ class ServerClient(_Commands):
         self._check_probe(probe, key_prefix)
 
     def lend(self, keys: Sequence[str], explain: bool) -> Lent:
-        """One ``MGET`` read off the socket into this thread's reply buffer
+        """One ``MGET`` read off the socket into a reused reply buffer
         (:mod:`kvconn_redis._reply`), its values lent where they landed.
 
         One attempt per connection error as redis-py's own commands get (its
         ``retry``: a pooled connection the server closed since is replaced), all within
         the call's deadline; after any error mid-reply the connection is dropped.
         """
+        if not self.config.reuse_reply_buffers:
+            return super().lend(keys, explain)
         names = [self.prefix + key for key in keys]
         conn = self._pool.get_connection()
         try:
@@ -469,6 +471,22 @@ class ServerClient(_Commands):
             raise rx.TimeoutError(f"Timeout reading from {self.config.where}") from exc
         except (OSError, ProtocolError) as exc:
             raise rx.ConnectionError(f"Error reading from {self.config.where}: {exc}") from exc
+
+    def fetch(self, keys: Sequence[str], explain: bool) -> list[Fetched]:
+        """The values as redis-py parses them (``reuse_reply_buffers = False``)."""
+        prefix = self.prefix
+        try:
+            values: list[Fetched] = self._redis.execute_command(  # type: ignore[no-untyped-call]
+                "MGET", *[prefix + key for key in keys]
+            )
+        except rx.ResponseError as exc:
+            raise reply_error(exc, self.config, "get") from exc
+        nil = [i for i, value in enumerate(values) if value is None] if explain else []
+        if nil:  # see lend
+            for i, there in zip(nil, self.exists([keys[i] for i in nil])):
+                if there:
+                    values[i] = NOT_A_STRING
+        return values
 
     def scan(self, prefix: str) -> Iterator[list[tuple[str, int]]]:
         return _scan(self, self._redis, prefix, set())

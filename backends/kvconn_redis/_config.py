@@ -58,6 +58,9 @@ class RedisConfig:
     tls_cert_file: str | None
     tls_key_file: str | None
     tls_verify: bool
+    #: One server's ``MGET`` replies are read into buffers kept for reuse
+    #: (:mod:`kvconn_redis._reply`); False: as redis-py parses them.
+    reuse_reply_buffers: bool = True
 
     @property
     def where(self) -> str:
@@ -232,6 +235,7 @@ def make_config(
     tls_cert_file: object,
     tls_key_file: object,
     tls_verify: object,
+    reuse_reply_buffers: object = True,
 ) -> RedisConfig:
     """Check every option and combine it with the URL; raise ConfigError naming the culprit."""
     parsed = parse_url(url)
@@ -255,8 +259,9 @@ def make_config(
         ttl_ms = max(1, math.ceil(_check_positive("ttl_s", ttl_s, most=_MAX_TTL_S) * 1000))
     if not isinstance(cluster, bool):
         raise _fail("cluster", f"must be a bool, got {cluster!r}")
-    if not isinstance(tls_verify, bool):
-        raise _fail("tls_verify", f"must be a bool, got {tls_verify!r}")
+    for option, flag in (("tls_verify", tls_verify), ("reuse_reply_buffers", reuse_reply_buffers)):
+        if not isinstance(flag, bool):
+            raise _fail(option, f"must be a bool, got {flag!r}")
     ca_file = _check_file("tls_ca_file", tls_ca_file)
     cert_file = _check_file("tls_cert_file", tls_cert_file)
     key_file = _check_file("tls_key_file", tls_key_file)
@@ -305,7 +310,8 @@ def make_config(
         tls_ca_file=ca_file,
         tls_cert_file=cert_file,
         tls_key_file=key_file,
-        tls_verify=tls_verify,
+        tls_verify=bool(tls_verify),
+        reuse_reply_buffers=bool(reuse_reply_buffers),
     )
     if config.tls:
         config.check_tls()

@@ -5,7 +5,7 @@ redis-py (with hiredis) turns each value of a reply into a new ``bytes``: for a 
 gives it back to the kernel after the load. A load from a loopback server took
 12,500 minor page faults (47 MiB in 4 KiB pages) and 64 ms to parse, against 36 ms for
 the same reply read raw into one buffer (``benchmarks/bench_load.py --backend redis``,
-docs/performance.md). Here the reply goes into a buffer the reading thread keeps
+docs/performance.md). Here the reply goes into a buffer kept from call to call
 (:class:`ReplyBuffers`), and each value is lent where it landed: the socket's bytes are
 copied once, by the kernel, into memory already mapped.
 
@@ -20,11 +20,21 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-__all__ = ["KEEP_BYTES", "ProtocolError", "Reply", "ReplyBuffers", "ReplyError", "read_mget"]
+__all__ = [
+    "KEEP_BYTES",
+    "KEEP_COUNT",
+    "ProtocolError",
+    "Reply",
+    "ReplyBuffers",
+    "ReplyError",
+    "read_mget",
+]
 
-#: A thread keeps its reply buffer for the next call up to this size; a larger reply's
-#: buffer is dropped after its call. A load's chunk is at most ``staging_bytes``.
+#: A reply buffer is kept for the next call up to this size; a larger reply's buffer is
+#: dropped after its call. A load's chunk is at most ``staging_bytes``.
 KEEP_BYTES = 256 << 20
+#: Buffers kept at most: one per load thread (2) and one for a call that overlaps.
+KEEP_COUNT = 3
 #: The first buffer a thread gets.
 _FIRST_BYTES = 1 << 20
 #: Longest header line (``*<count>`` or ``$<len>``) a reply may send: a longer one is
@@ -48,7 +58,7 @@ class ProtocolError(Exception):
 
 class Reply:
     """The values of one reply: ``spans[i]`` is ``(offset, length)`` in ``buffer``, or
-    None for nil. The buffer is the reading thread's until :meth:`ReplyBuffers.give`."""
+    None for nil. The buffer is the reader's until :meth:`ReplyBuffers.give`."""
 
     __slots__ = ("buffer", "spans")
 
@@ -58,24 +68,33 @@ class Reply:
 
 
 class ReplyBuffers:
-    """One reply buffer per thread, reused from call to call once its pages are mapped.
+    """Reply buffers kept for reuse once their pages are mapped, shared by the threads
+    of one client: a load thread takes whichever is free (vLLM at TP=1 loads on two
+    threads in turn, and each thread's own buffer would be new to the other's load).
 
     A buffer is handed out by :meth:`take` and comes back by :meth:`give`; a view of it
-    that the borrower kept past its block (a ``BufferError`` on release) means the
-    buffer is never reused, so no later reply can change bytes someone still reads.
+    that the borrower kept past its block (see ``Lent``) means it never comes back, so
+    no later reply can change bytes someone still reads. At most :data:`KEEP_COUNT`
+    are kept, each of at most :data:`KEEP_BYTES`.
     """
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
 
     def take(self) -> bytearray:
-        buffer: bytearray | None = getattr(self._local, "buffer", None)
-        self._local.buffer = None  # lent: a nested call on this thread gets a new one
-        return bytearray(_FIRST_BYTES) if buffer is None else buffer
+        with self._lock:
+            if self._free:
+                return self._free.pop()  # the largest: kept in ascending size
+        return bytearray(_FIRST_BYTES)
 
     def give(self, buffer: bytearray) -> None:
-        if len(buffer) <= KEEP_BYTES:
-            self._local.buffer = buffer
+        if len(buffer) > KEEP_BYTES:
+            return
+        with self._lock:
+            self._free.append(buffer)
+            self._free.sort(key=len)
+            del self._free[: max(0, len(self._free) - KEEP_COUNT)]  # drop the smallest
 
 
 def read_mget(sock: _Socket, count: int, buffer: bytearray) -> Reply:
