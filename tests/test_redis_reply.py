@@ -7,6 +7,7 @@ reused buffers, and a view the borrower kept is never written over.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from kvconn_redis._reply import (
     ProtocolError,
     ReplyBuffers,
     ReplyError,
+    new_buffer,
     read_mget,
 )
 
@@ -55,7 +57,7 @@ VALUES = [b"a" * 3000, None, b"", bytes(range(256)) * 40, b"x\r\ny"]
 @pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
 def test_values_are_found_in_place_however_the_socket_splits_the_reply(step):
     sock = Scripted(mget_reply(*VALUES), step)
-    reply = read_mget(sock, len(VALUES), bytearray(16))  # too small: it grows
+    reply = read_mget(sock, len(VALUES), new_buffer(16))  # too small: it grows
     got = [None if s is None else bytes(reply.buffer[s[0] : s[0] + s[1]]) for s in reply.spans]
     assert got == VALUES
     assert sock.pos == len(sock.data)
@@ -64,20 +66,20 @@ def test_values_are_found_in_place_however_the_socket_splits_the_reply(step):
 def test_a_large_reply_grows_the_buffer_once_from_its_first_value():
     values = [bytes([i]) * 100_000 for i in range(20)]
     sock = Scripted(mget_reply(*values), 1 << 16)
-    buffer = bytearray(1024)
+    buffer = new_buffer(1024)
     reply = read_mget(sock, 20, buffer)
     assert 20 * 100_000 <= len(reply.buffer) < 2 * 20 * 100_002
     assert buffer is not reply.buffer and len(buffer) == 1024
 
 
 def test_a_buffer_big_enough_is_used_as_it_is():
-    buffer = bytearray(1 << 20)
+    buffer = new_buffer(1 << 20)
     assert read_mget(Scripted(mget_reply(b"v" * 1000), 1 << 20), 1, buffer).buffer is buffer
 
 
 def test_an_error_reply_raises_with_the_servers_text():
     with pytest.raises(ReplyError, match="NOPERM this user has no permissions"):
-        read_mget(Scripted(b"-NOPERM this user has no permissions\r\n", 5), 2, bytearray(64))
+        read_mget(Scripted(b"-NOPERM this user has no permissions\r\n", 5), 2, new_buffer(64))
 
 
 @pytest.mark.parametrize(
@@ -94,18 +96,18 @@ def test_an_error_reply_raises_with_the_servers_text():
 )
 def test_bytes_that_are_no_mget_reply_are_a_protocol_error(data, message):
     with pytest.raises(ProtocolError, match=message):
-        read_mget(Scripted(data, 3), 2, bytearray(64))
+        read_mget(Scripted(data, 3), 2, new_buffer(64))
 
 
 def test_bytes_read_past_the_reply_are_a_protocol_error():
     with pytest.raises(ProtocolError, match="8 bytes after the reply"):
-        read_mget(Scripted(mget_reply(b"a", b"b") + b"+extra\r\n", 1 << 10), 2, bytearray(64))
+        read_mget(Scripted(mget_reply(b"a", b"b") + b"+extra\r\n", 1 << 10), 2, new_buffer(64))
 
 
 def test_a_server_that_closes_mid_reply_is_a_connection_error():
     data = mget_reply(b"a" * 100, b"b" * 100)[:150]
     with pytest.raises(ConnectionError, match="closed the connection in mid-reply"):
-        read_mget(Scripted(data, 64), 2, bytearray(64))
+        read_mget(Scripted(data, 64), 2, new_buffer(64))
 
 
 def test_a_buffer_given_back_is_taken_again_by_any_thread_and_a_huge_one_is_not_kept():
@@ -113,12 +115,12 @@ def test_a_buffer_given_back_is_taken_again_by_any_thread_and_a_huge_one_is_not_
     first = buffers.take()
     assert buffers.take() is not first  # lent out: a call meanwhile gets its own
     buffers.give(first)
-    other: list[bytearray] = []
+    other: list[mmap.mmap] = []
     thread = threading.Thread(target=lambda: other.append(buffers.take()))
     thread.start()
     thread.join()
     assert other[0] is first
-    buffers.give(bytearray(KEEP_BYTES + 1))
+    buffers.give(new_buffer(KEEP_BYTES + 1))
     assert len(buffers.take()) < KEEP_BYTES
 
 
@@ -126,7 +128,7 @@ def test_the_largest_buffers_are_kept_and_taken_first():
     buffers = ReplyBuffers()
     sizes = [10, 50, 20, 40, 30]
     for size in sizes:
-        buffers.give(bytearray(size))
+        buffers.give(new_buffer(size))
     assert [len(buffers.take()) for _ in range(KEEP_COUNT)] == [50, 40, 30]
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import mmap
 import os
 import threading
 import weakref
@@ -110,7 +111,7 @@ class Lent:
         views: list[memoryview | None],
         base: memoryview | None = None,
         buffers: ReplyBuffers | None = None,
-        buffer: bytearray | None = None,
+        buffer: mmap.mmap | None = None,
     ) -> None:
         self.views = views
         self._base, self._buffers, self._buffer = base, buffers, buffer
@@ -128,15 +129,14 @@ class Lent:
             self._buffers.give(buffer)
 
 
-def _unexported(buffer: bytearray) -> bool:
+def _unexported(buffer: mmap.mmap) -> bool:
     """Whether no view of ``buffer`` is alive (a slice the borrower made of a lent view
-    keeps it exported, unseen by the views above). A resize is refused while one is;
-    dropping the last byte and putting it back resizes within the allocation."""
+    keeps it exported, unseen by the views above). A resize is refused while one is; a
+    resize to its own size changes nothing."""
     try:
-        last = buffer.pop()
+        buffer.resize(len(buffer))
     except BufferError:
         return False
-    buffer.append(last)
     return True
 
 
