@@ -129,15 +129,15 @@ def test_an_unknown_name_is_reported_in_one_form_wherever_it_comes_from(tmp_path
         "idle_wait_s, inflight_bytes, load_timeout_s, lookup_inline, lookup_timeout_s, "
         "lookup_wait_s, model, "
         "namespace, options, retry_interval_s, shard_heads, staging_bytes, stripe_reads, "
-        "verify_replicas_every, writer_policy",
+        "transfer_cpus, verify_replicas_every, writer_policy",
         "unknown environment variable(s): KVCONN_MODLE; known: KVCONN_BACKEND, "
         "KVCONN_CHECKSUM, KVCONN_CONFIG, KVCONN_IDLE_WAIT_S, KVCONN_INFLIGHT_BYTES, "
         "KVCONN_LOAD_TIMEOUT_S, "
         "KVCONN_LOOKUP_INLINE, KVCONN_LOOKUP_TIMEOUT_S, KVCONN_LOOKUP_WAIT_S, KVCONN_MODEL, "
         "KVCONN_NAMESPACE, "
         "KVCONN_OPTION_<NAME>, KVCONN_RETRY_INTERVAL_S, KVCONN_SHARD_HEADS, "
-        "KVCONN_STAGING_BYTES, KVCONN_STRIPE_READS, KVCONN_VERIFY_REPLICAS_EVERY, "
-        "KVCONN_WRITER_POLICY",
+        "KVCONN_STAGING_BYTES, KVCONN_STRIPE_READS, KVCONN_TRANSFER_CPUS, "
+        "KVCONN_VERIFY_REPLICAS_EVERY, KVCONN_WRITER_POLICY",
         "the HiCache extra config: unknown key(s): kv_head; known: kv_heads, kvconn "
         "(SGLang's own: backend_name, class_name, interface_v1, module_path)",
         f"{path}: unknown [tensorrt_llm] key(s): kv_head; known: kv_heads",

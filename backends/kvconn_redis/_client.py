@@ -125,7 +125,7 @@ class Lent:
             with contextlib.suppress(BufferError):
                 self._base.release()
         buffer, self._buffer = self._buffer, None
-        if self._buffers is not None and buffer and _unexported(buffer):
+        if self._buffers is not None and buffer is not None and _unexported(buffer):
             self._buffers.give(buffer)
 
 
@@ -289,7 +289,7 @@ class _Commands:
         """:meth:`fetch`'s values as views, for the caller to read in place and release.
 
         Here the values are ``bytes`` made for this call; :class:`ServerClient` reads
-        them into a buffer its thread reuses instead.
+        them into a reused buffer instead.
         """
         return Lent(_views_of(self.fetch(keys, explain)))
 
@@ -444,16 +444,22 @@ class ServerClient(_Commands):
         views: list[memoryview | None] = [
             None if span is None else base[span[0] : span[0] + span[1]] for span in reply.spans
         ]
+        lent = Lent(views, base, self._buffers, reply.buffer)
         nil = [i for i, view in enumerate(views) if view is None] if explain else []
         if nil:
             # MGET's nil is also its answer for a key holding a list or a hash: such a
             # key is stored and can never load. (A key stored between the two round
             # trips reads as unreadable too, and is deleted: one more miss, never a
             # wrong byte, as in the connector's own check.)
-            for i, there in zip(nil, self.exists([keys[i] for i in nil])):
-                if there:
+            try:
+                there = self.exists([keys[i] for i in nil])
+            except BaseException:
+                lent.release()  # the caller never sees it: the buffer goes back now
+                raise
+            for i, stored in zip(nil, there):
+                if stored:
                     views[i] = base[0:0]
-        return Lent(views, base, self._buffers, reply.buffer)
+        return lent
 
     def _mget(self, conn: Any, names: list[str]) -> Reply:
         """Send ``MGET`` and read its reply; redis-py's errors for what goes wrong."""
