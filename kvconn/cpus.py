@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 from kvconn.errors import ConfigError
 
-__all__ = ["AUTO", "INHERIT", "MAX_CPU", "parse_cpu_list", "placement"]
+__all__ = ["AUTO", "INHERIT", "MAX_CPU", "check_setting", "parse_cpu_list", "placement"]
 
 #: The engine adapter's suggestion, if it has one; else where the threads start.
 AUTO = "auto"

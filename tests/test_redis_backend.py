@@ -43,16 +43,6 @@ pytestmark = pytest.mark.server
 
 # ---------------------------------------------------------------- servers
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    require_or_skip(RedisServer.available())
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisCluster]:
     require_or_skip(RedisCluster.available())
     cluster = RedisCluster(3, node_timeout_ms=1000).start()

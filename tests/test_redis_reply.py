@@ -26,7 +26,6 @@ from kvconn_redis._reply import (
 from kvconn.backend import Backend
 from kvconn.errors import ConfigError
 from kvconn.registry import load_backend
-from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver.redis import RedisServer
 
 
@@ -134,18 +133,8 @@ def test_the_largest_buffers_are_kept_and_taken_first():
 
 # ------------------------------------------------------------ a real server
 @pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
-    require_or_skip(RedisServer.available())
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def store(server: RedisServer) -> Iterator[Backend]:
-    backend = load_backend("redis", {"url": server.url})
+def store(redis_server: RedisServer) -> Iterator[Backend]:  # tests/conftest.py
+    backend = load_backend("redis", {"url": redis_server.url})
     try:
         yield backend
     finally:
@@ -181,11 +170,11 @@ def test_a_view_kept_past_its_borrow_is_never_written_over_by_a_later_load(store
         assert bytes(views[1][:4]) == b"\x01" * 4
 
 
-def test_without_reused_buffers_values_come_as_redis_py_parses_them(server, store):
+def test_without_reused_buffers_values_come_as_redis_py_parses_them(redis_server, store):
     """``reuse_reply_buffers = false``: the same values, each in memory of its own."""
     keys = [f"parsed/{i}" for i in range(3)]
     assert all(store.put(keys, [memoryview(bytes([i + 5]) * SIZE) for i in range(3)]))
-    plain = load_backend("redis", {"url": server.url, "reuse_reply_buffers": False})
+    plain = load_backend("redis", {"url": redis_server.url, "reuse_reply_buffers": False})
     try:
         with plain.borrow([*keys, "parsed/absent"]) as views:
             assert [bytes(v[:2]) for v in views[:3] if v] == [bytes([i + 5]) * 2 for i in range(3)]
