@@ -36,6 +36,9 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 of their own): not on the kept core, which at TP=1 the server shares
   kvconn-redis-parsed  the same with the option ``reuse_reply_buffers = false``: values
                 as redis-py parses them, new memory each, not read into reused buffers
+  kvconn-mooncake  kvconn's adapter on Mooncake Store: the same master and storage
+                process as ``mooncake``, with the same settings (``MOONCAKE_CONFIG_PATH``),
+                and nothing kept in the engine's own memory
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
 
@@ -187,6 +190,7 @@ CONFIGS = {
             "TimedKvconnConnector",
             persistent=True,
         ),
+        Config("kvconn-mooncake", "kvconn, Mooncake", "TimedKvconnConnector", persistent=True),
         Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
@@ -211,6 +215,9 @@ REDIS_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-redis-inherit": {"namespace": "inherit", "transfer_cpus": "inherit"},
     "kvconn-redis-parsed": {"namespace": "parsed", "options": {"reuse_reply_buffers": False}},
 }
+
+#: The configurations served by the run's Mooncake master and storage process.
+MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake"})
 
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
@@ -513,7 +520,7 @@ def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> 
                 stack.callback(_keep_server_latency, server, root / "redis-latency.json")
             except Exception as exc:
                 stores.redis_error = f"{type(exc).__name__}: {exc}"
-        if "mooncake" in configs:
+        if configs & MOONCAKE_CONFIGS:
             try:
                 from kvconn.tools.devserver.mooncake import MooncakeCluster
 
@@ -600,6 +607,8 @@ class Runner:
             variant = dict(REDIS_VARIANTS[config])
             options = {"url": self.stores.redis_url, **variant.pop("options", {})}
             extra = self.kvconn_extra("redis", options) | variant
+        elif config == "kvconn-mooncake":  # settings from MOONCAKE_CONFIG_PATH (run())
+            extra = self.kvconn_extra("mooncake", {})
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":
@@ -618,7 +627,7 @@ class Runner:
         """Why a configuration cannot run at all in this run, if it cannot."""
         if config.startswith("kvconn-redis") and self.stores.redis_url is None:
             return f"redis-server did not start: {self.stores.redis_error}"
-        if config == "mooncake" and self.stores.mooncake_config is None:
+        if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is None:
             return f"Mooncake master/storage did not start: {self.stores.mooncake_error}"
         return None
 
@@ -655,7 +664,7 @@ class Runner:
         )
         if tp == 2:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-        if config == "mooncake" and self.stores.mooncake_config is not None:
+        if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
         # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
         # directory by default) and leaves them there; each job's go with the job.

@@ -19,7 +19,11 @@ and the kernel's copies: the floor of any Redis client), and ``redis-py``, redis
 kvconn's checksum and scatter). ``--backend mooncake`` loads from a Mooncake
 cluster on loopback TCP that the benchmark starts (a master and one storage process):
 Mooncake lends nothing, so its pages come into the connector's registered staging and
-are verified and scattered from there.
+are verified and scattered from there. Against Mooncake one more baseline runs in the
+same trials: ``get``, the backend's read of the same pages into one registered buffer
+(one ``batch_get_into``; ``bench_mooncake.py`` holds the backend against the bare
+client), the load without its checksum and scatter. A second client in the process
+would not do: two Mooncake clients in one process failed its transfers here.
 
 ``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
 only every thousand iterations, as an engine's step loop does between its calls: a load
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import os
 import socket
 import tempfile
@@ -95,6 +100,24 @@ def build(
     if conn.save(hashes, list(range(blocks))).written != blocks:
         raise SystemExit("the save did not write every block")
     return conn, hashes, list(range(blocks + 4, 2 * blocks + 4))
+
+
+def mooncake_baseline(conn: Connector, hashes: list[bytes]) -> dict[str, Callable[[], object]]:
+    """``get`` (see the module's docstring): the store's read of the pages ``conn``
+    loads, through the same backend, into one registered buffer."""
+    keys = [key for h in hashes for key in conn.keys.rank_keys(conn.rank, h)]
+    sizes = [share.plan.value_size for h in hashes for share in conn.shares]
+    buffer = memoryview(bytearray(sum(sizes)))
+    backend = conn.backend
+    backend.register_buffer(buffer)  # until the connector closes its backend
+    offsets = list(itertools.accumulate([0, *sizes]))
+    views = [buffer[a:b] for a, b in itertools.pairwise(offsets)]
+
+    def get() -> None:
+        if not all(backend.get(keys, views, scratch=True)):
+            raise SystemExit("the store's get did not read every page")
+
+    return {"get": get}
 
 
 def redis_baselines(
@@ -190,6 +213,8 @@ def main() -> None:
         }
         if args.backend == "redis":
             variants.update(redis_baselines(server, args.blocks, LAYERS * piece, stack))
+        elif args.backend == "mooncake":
+            variants.update(mooncake_baseline(conn, hashes))
         print(
             f"torch {torch.__version__}, {os.cpu_count()} CPUs; {args.backend}; "
             f"{args.blocks} blocks of {LAYERS} layers x {piece >> 10} KiB "
@@ -210,8 +235,9 @@ def main() -> None:
                 stop.set()
             line = f"{label:20s} " + "  ".join(f"{k} {v * 1e3:6.2f} ms" for k, v in med.items())
             line += f"  load/memcpy {med['load'] / med['memcpy']:.2f}"
-            if "wire" in med:
-                line += f"  load/wire {med['load'] / med['wire']:.2f}"
+            for floor in ("wire", "get"):
+                if floor in med:
+                    line += f"  load/{floor} {med['load'] / med[floor]:.2f}"
             print(line)
         conn.close()
 
