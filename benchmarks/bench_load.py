@@ -22,8 +22,7 @@ Mooncake lends nothing, so its pages come into the connector's registered stagin
 are verified and scattered from there. Against Mooncake one more baseline runs in the
 same trials: ``get``, the backend's read of the same pages into one registered buffer
 (one ``batch_get_into``; ``bench_mooncake.py`` holds the backend against the bare
-client), the load without its checksum and scatter. A second client in the process
-would not do: two Mooncake clients in one process failed its transfers here.
+client), the load without its checksum and scatter.
 
 ``--contend`` repeats it with a thread that keeps running Python, letting the GIL go
 only every thousand iterations, as an engine's step loop does between its calls: a load
