@@ -281,6 +281,57 @@ def test_registered_memory_moves_with_batch_put_from_and_batch_get_into_only(
         backend.unregister_buffer(view)
 
 
+def test_a_batch_longer_than_the_tcp_queue_moves_in_slices_and_every_value_lands(
+    backend: Any, prefix: str
+) -> None:
+    # Whole, 3,000 keys overflow Mooncake's TCP queue (1,024 per peer, as many more
+    # held 1 s): the put took 61 s and stored 58 of them, the get failed with -800.
+    n, size = 3000, 1024
+    assert backend.config.transfers_in_flight == 1024  # the queue's default
+    arena = bytearray(2 * n * size)
+    view = memoryview(arena)
+    backend.register_buffer(view)
+    try:
+        view[: n * size] = _value(3, n * size)
+        keys = [f"{prefix}/{i}" for i in range(n)]
+        counting = _count_calls(backend)
+        assert backend.put(keys, [view[i * size : (i + 1) * size] for i in range(n)]) == [True] * n
+        dest = [view[(n + i) * size : (n + i + 1) * size] for i in range(n)]
+        assert backend.get(keys, dest, scratch=True) == [True] * n
+        _uncount(backend, counting)
+        assert bytes(view[n * size :]) == _value(3, n * size)
+        assert counting.calls == {"batch_put_from": 3, "batch_get_into": 3}
+        assert backend._session.flight.moving == 0
+    finally:
+        backend.unregister_buffer(view)
+
+
+def test_threads_whose_batches_together_exceed_the_tcp_queue_all_land(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    # Each batch fits the queue and its hold (2,048); three at once do not, unless the
+    # backend waits. Unbounded (transfers_in_flight=0) this failed, in 66 s.
+    n, size = 2000, 1024
+    backend = _open(_options(cluster, transfers_in_flight=n))
+    try:
+        stored: dict[int, list[bool]] = {}
+        loaded: dict[int, list[bool]] = {}
+        buffers = {t: [bytearray(size) for _ in range(n)] for t in range(3)}
+
+        def work(t: int) -> None:
+            keys = [f"{prefix}/{t}/{i}" for i in range(n)]
+            stored[t] = backend.put(keys, [_value(t, size)] * n)
+            loaded[t] = backend.get(keys, buffers[t])
+
+        _run_threads(*(lambda t=t: work(t) for t in range(3)))
+        for t in range(3):
+            assert stored[t] == [True] * n and loaded[t] == [True] * n
+            assert all(bytes(b) == _value(t, size) for b in buffers[t])
+        assert backend._session.flight.moving == 0
+    finally:
+        backend.close()
+
+
 def test_unregistered_buffers_round_trip_through_the_scratch_area_in_several_rounds(
     cluster: MooncakeCluster, prefix: str
 ) -> None:
@@ -1192,6 +1243,9 @@ _MASTER = "127.0.0.1:1"
         ({"master_address": _MASTER, "scratch_bytes": 0}, "option 'scratch_bytes'"),
         ({"master_address": _MASTER, "read_env": "no"}, "option 'read_env'"),
         ({"master_address": _MASTER, "read_failover": 1}, "option 'read_failover'"),
+        ({"master_address": _MASTER, "transfers_in_flight": -1}, "option 'transfers_in_flight'"),
+        ({"master_address": _MASTER, "transfers_in_flight": "8"}, "option 'transfers_in_flight'"),
+        ({"master_address": _MASTER, "transfers_in_flight": 1.5}, "option 'transfers_in_flight'"),
         ({"master_address": _MASTER, "no_such_option": 1}, "unknown option.*no_such_option"),
         ({"read_env": False}, "option 'master_address' is required"),
     ],
@@ -1238,6 +1292,7 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
         "scratch_bytes": MiB,
         "read_env": True,
         "read_failover": True,
+        "transfers_in_flight": None,
     }
     env = {
         "MOONCAKE_MASTER": "env:1",
@@ -1256,6 +1311,33 @@ def test_settings_follow_option_then_file_then_environment_then_default() -> Non
     assert config.master_host_port == ("env", 1)
     etcd = make_config({"master_address": "etcd://a:1;b:2", **knobs}, environ={})
     assert etcd.master_host_port is None  # no TCP probe for a master with HA
+
+
+@pytest.mark.parametrize(
+    ("protocol", "option", "queue", "bound"),
+    [
+        ("tcp", None, None, 1024),  # Mooncake's default queue per peer
+        ("tcp", None, "4096", 4096),
+        ("tcp", None, "70000", 1024),  # Mooncake ignores a value over 65535, so do we
+        ("tcp", None, "lots", 1024),
+        ("tcp", 16, "4096", 16),  # the option wins
+        ("tcp", 0, None, None),  # 0: no bound
+        ("rdma", None, "4096", None),  # RDMA's limits were not measured: no bound
+        ("rdma", 64, None, 64),
+    ],
+)
+def test_keys_in_flight_follow_the_option_else_the_tcp_queue_mooncake_reads(
+    protocol: str, option: int | None, queue: str | None, bound: int | None
+) -> None:
+    from kvconn_mooncake import MooncakeBackend
+    from kvconn_mooncake._config import make_config
+
+    options = inspect.signature(MooncakeBackend.__init__).parameters
+    knobs = {name: p.default for name, p in options.items() if name != "self"}
+    knobs.update(master_address=_MASTER, protocol=protocol, transfers_in_flight=option)
+    knobs["read_env"] = False  # the queue is read whatever read_env says: Mooncake does
+    environ = {} if queue is None else {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": queue}
+    assert make_config(knobs, environ=environ).transfers_in_flight == bound
 
 
 # ---------------------------------------------------------------- logging

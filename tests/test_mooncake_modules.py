@@ -25,6 +25,7 @@ LAYERS = (
     "_memory",  # registered memory, scratch areas, rounds
     "_replicas",  # where copies lie; reading a chosen copy; endpoints that failed
     "_config",
+    "_flight",  # slices of calls that move bytes, within the transport's queue
     "_library",
     "_counters",
     "_codes",

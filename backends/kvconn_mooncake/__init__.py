@@ -17,6 +17,8 @@ imports and keeps it so), so data flows one way and nothing calls back into its 
 * :mod:`._replicas` - where a key's copies lie; reading one from a chosen copy through
   the shared transfer engine, and the endpoints that failed lately;
 * :mod:`._config` - the options, merged with Mooncake's own settings, checked;
+* :mod:`._flight` - calls that move bytes cut into slices, so that no more keys move at
+  once than Mooncake's TCP transport queues;
 * :mod:`._library` - loading Mooncake's library with its INFO logging off;
 * :mod:`._counters`, :mod:`._codes` - the counters; Mooncake's result codes sorted into
   miss, failure and outage.
@@ -80,6 +82,7 @@ class MooncakeBackend(Backend):
         scratch_bytes: int | str = 64 * 2**20,
         read_env: bool = True,
         read_failover: bool = True,
+        transfers_in_flight: int | None = None,
     ) -> None:
         """Check the options, then set the client up (see :meth:`Session.start`)."""
         options = dict(locals())  # every argument by name: nothing else is bound yet

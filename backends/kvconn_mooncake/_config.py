@@ -27,10 +27,13 @@ from typing import Any
 
 from kvconn.config import parse_size as parse_bytes
 from kvconn.errors import ConfigError
+from kvconn_mooncake._flight import queue_limit
 
 __all__ = ["CONFIG_PATH_ENV", "PROTOCOLS", "MooncakeConfig", "make_config", "parse_size"]
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+#: The TCP transport's queue of requests per peer, as Mooncake's transport reads it.
+TCP_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
 SGLANG_CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 PROTOCOLS = ("tcp", "rdma")
 
@@ -90,6 +93,8 @@ class MooncakeConfig:
     probe_timeout_s: float
     scratch_bytes: int
     read_failover: bool
+    #: Keys moving at once, all threads together (:mod:`._flight`); None: no bound.
+    transfers_in_flight: int | None
     #: setting -> where its value came from ("option", "MOONCAKE_MASTER", "file.json", …)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -239,6 +244,20 @@ def _read_json(path: str, env_var: str) -> dict[str, Any]:
     return data
 
 
+def _transfers_in_flight(value: object, protocol: str, env: Mapping[str, str]) -> int | None:
+    """The option, or by default over TCP the transport's queue per peer (:mod:`._flight`;
+    read from the environment whatever ``read_env`` says, as Mooncake's transport reads
+    it), and no bound over RDMA, whose limits were not measured. 0: no bound."""
+    if value is None:
+        return queue_limit(env.get(TCP_QUEUE_ENV)) if protocol == "tcp" else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            "mooncake: option 'transfers_in_flight' must be an int >= 1 (0: no bound; "
+            f"None: the TCP queue, {TCP_QUEUE_ENV}), got {value!r}"
+        )
+    return value or None
+
+
 def mooncake_settings(environ: Mapping[str, str]) -> dict[str, tuple[object, str]]:
     """Settings Mooncake's integrations would use here: name -> (value, source)."""
     out: dict[str, tuple[object, str]] = {}
@@ -316,6 +335,7 @@ def make_config(
         raise ConfigError(
             f"mooncake: option 'probe_timeout_s' must be a number > 0, got {probe_timeout_s!r}"
         )
+    in_flight = _transfers_in_flight(options["transfers_in_flight"], protocol, env)
     scratch = parse_size(options["scratch_bytes"], "option 'scratch_bytes'")
     if scratch < 1:
         raise ConfigError(
@@ -335,5 +355,6 @@ def make_config(
         probe_timeout_s=float(probe_timeout_s),
         scratch_bytes=scratch,
         read_failover=_option_bool(options, "read_failover"),
+        transfers_in_flight=in_flight,
         sources={name: source for name, (_, source) in merged.items()},
     )

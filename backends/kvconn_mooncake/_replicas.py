@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvconn_mooncake._flight import Flight
+
 log = logging.getLogger(__name__)
 
 #: How long an endpoint that failed a transfer is avoided. The master drops a dead
@@ -162,8 +164,12 @@ def _free_port() -> int:
 class ReplicaReader:
     """Reads keys from explicit replicas through the client's transfer engine."""
 
-    def __init__(self, engine: Any, *, avoid_s: float = AVOID_S) -> None:
+    def __init__(
+        self, engine: Any, flight: Flight | None = None, *, avoid_s: float = AVOID_S
+    ) -> None:
         self.engine = engine
+        #: Shared with the client that shares the engine: one queue per peer for both.
+        self.flight = Flight(None) if flight is None else flight
         self.avoid_s = avoid_s
         self._lock = threading.Lock()
         self._failed: dict[str, float] = {}  # endpoint -> avoid until (monotonic)
@@ -192,10 +198,11 @@ class ReplicaReader:
     def read(self, reads: Sequence[Read]) -> list[bool]:
         """Read each key from its first copy that transfers; per key, whether one did.
 
-        One ``batch_transfer_sync_read`` per endpoint and pass; a failed transfer marks
-        the endpoint and moves its keys on to their next copy. The bytes of a key that
-        fails everywhere may be partly written: the caller reads into staging or scratch
-        memory and copies out only what succeeded, as it does for ``batch_get_into``.
+        One ``batch_transfer_sync_read`` per endpoint, pass and slice (:mod:`._flight`);
+        a failed transfer marks the endpoint and moves the keys of its slice on to their
+        next copy. The bytes of a key that fails everywhere may be partly written: the
+        caller reads into staging or scratch memory and copies out only what succeeded,
+        as it does for ``batch_get_into``.
         """
         avoid = self.failed_endpoints()
         plans = [self.order(r.copies, avoid) for r in reads]
@@ -211,27 +218,40 @@ class ReplicaReader:
             pending = []
             for endpoint, items in by_endpoint.items():
                 peers = [plans[i][reads[i].tried].address for i in items]
-                code = self._transfer_from(
+                outcomes = self._transfer_from(
                     endpoint,
                     [reads[i].address for i in items],
                     peers,
                     [reads[i].size for i in items],
                 )
-                if code == 0:
-                    for i in items:
-                        done[i] = True
+                failed = [i for i, code in zip(items, outcomes) if code != 0]
+                for i, code in zip(items, outcomes):
+                    done[i] = code == 0
+                if not failed:
                     continue
-                log.debug("kvconn: mooncake read from %s failed (%s)", endpoint, code)
+                log.debug(
+                    "kvconn: mooncake read from %s failed (%s)",
+                    endpoint,
+                    next(c for c in outcomes if c != 0),
+                )
                 self.mark_failed([endpoint])
-                for i in items:
+                for i in failed:
                     reads[i].tried += 1
-                pending.extend(items)
+                pending.extend(failed)
         return done
 
     def _transfer_from(
         self, endpoint: str, locals_: list[int], peers: list[int], sizes: list[int]
-    ) -> int | str:
-        try:
-            return int(self.engine.batch_transfer_sync_read(endpoint, locals_, peers, sizes))
-        except Exception as exc:  # a binding error is a failed transfer, not a crash
-            return repr(exc)
+    ) -> list[int | str]:
+        """Per key, 0 or its slice's failure (a code, or what the binding raised): one
+        transfer per slice of the bound on keys in flight (:mod:`._flight`)."""
+
+        def read(mine: list[int], theirs: list[int], lengths: list[int]) -> list[int | str]:
+            code: int | str
+            try:
+                code = int(self.engine.batch_transfer_sync_read(endpoint, mine, theirs, lengths))
+            except Exception as exc:  # a binding error is a failed transfer, not a crash
+                code = repr(exc)
+            return [code] * len(mine)
+
+        return self.flight.run(read, locals_, peers, sizes)

@@ -48,6 +48,7 @@ from kvconn_mooncake import _codes as codes
 from kvconn_mooncake import _library
 from kvconn_mooncake._config import MooncakeConfig
 from kvconn_mooncake._counters import Counters
+from kvconn_mooncake._flight import Flight
 from kvconn_mooncake._memory import Memory
 from kvconn_mooncake._replicas import ReplicaReader, make_engine
 
@@ -74,6 +75,8 @@ class Session:
         #: The last call found the master unreachable: probe before the next one.
         self.down = False
         self.memory = Memory(self, counters, config.scratch_bytes)
+        #: Keys moving at once, the client's and the reader's calls together.
+        self.flight = Flight(config.transfers_in_flight)
         self._state = threading.Lock()  # guards _active / _closed; _cond waits on it
         self._cond = threading.Condition(self._state)
         self._active = 0
@@ -153,7 +156,7 @@ class Session:
         self.memory.attach(store)
         # The reader first: a call on another thread that finds ``store`` set takes the
         # fast path in enter() and reads ``reader`` next; it must not find it unset.
-        self.reader = ReplicaReader(shared[0]) if shared is not None else None
+        self.reader = ReplicaReader(shared[0], self.flight) if shared is not None else None
         self.down = False
         self.store = store
 
@@ -252,6 +255,15 @@ class Session:
             self.down = False
             return results
         return self._recover(op, fn, args, results)
+
+    def moved_codes(
+        self, op: str, fn: Any, keys: list[str], addresses: list[int], sizes: list[int], *extra: Any
+    ) -> list[int]:
+        """:meth:`codes` of a call that moves bytes (a key per request), in slices that
+        keep the keys moving at once within the transport's queue (:mod:`._flight`)."""
+        return self.flight.run(
+            lambda k, a, n: self.codes(op, fn, k, a, n, *extra), keys, addresses, sizes
+        )
 
     def exist_codes(self, store: Any, keys: list[str]) -> Sequence[int]:
         """``batch_is_exist``'s 1/0 per key; raises rather than answer a failure as absent.

@@ -145,7 +145,7 @@ class Transfers:
                         for i, offset in zip(batch, round_.offsets):
                             if offset >= 0:
                                 area[offset : offset + values[i].nbytes] = values[i]
-                    results = session.codes(
+                    results = session.moved_codes(
                         "put", store.batch_put_from, round_keys, addresses, sizes, self._replicate
                     )
                     if codes.TRANSFER_FAIL in results:
@@ -298,7 +298,7 @@ class Transfers:
         for round_, round_reads in self._rounds(reads, buffers):
             lengths = [buffers[r.target].nbytes for r in round_reads]
             with self.memory.addresses(round_) as (addresses, area):
-                results = self.session.codes(
+                results = self.session.moved_codes(
                     "get", store.batch_get_into, [r.key for r in round_reads], addresses, lengths
                 )
                 for n, (read, code) in enumerate(zip(round_reads, results)):
@@ -451,7 +451,7 @@ class Transfers:
             return results
         config.preferred_segments = live
         retry = Reroute.failed(results)
-        again = session.codes(
+        again = session.moved_codes(
             "put",
             store.batch_put_from,
             [keys[i] for i in retry],
