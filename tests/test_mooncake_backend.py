@@ -60,7 +60,12 @@ def loopback_env() -> Iterator[None]:
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-        for name in ("MOONCAKE_CONFIG_PATH", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"):
+        # the transport's queue at Mooncake's default, which the backend's bound follows
+        for name in (
+            "MOONCAKE_CONFIG_PATH",
+            "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH",
+            "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+        ):
             patch.delenv(name, raising=False)
         yield
 
