@@ -22,7 +22,7 @@ processes, and costs a wait only when more than ``limit`` keys are moving at onc
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -47,12 +47,6 @@ class Flight:
         with self._cond:
             return self._moving
 
-    def spans(self, n: int) -> Iterator[tuple[int, int]]:
-        """``(start, stop)`` of each slice of ``n`` keys, in order."""
-        step = n if self.limit is None else self.limit
-        for start in range(0, n, max(step, 1)):
-            yield start, min(start + step, n)
-
     def run(self, call: Callable[..., Sequence[T]], *columns: Sequence[Any]) -> list[T]:
         """``call`` over ``columns`` (a value per key each) a slice at a time; the
         slices' answers joined in order (per key, for a call that answers per key).
@@ -65,7 +59,8 @@ class Flight:
         if limit is None or n == 0:
             return list(call(*columns))
         answers: list[T] = []
-        for start, stop in self.spans(n):
+        for start in range(0, n, limit):
+            stop = min(start + limit, n)
             self._take(stop - start, limit)
             try:
                 answers += call(*(column[start:stop] for column in columns))
