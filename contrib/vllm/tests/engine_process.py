@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,18 @@ def engine_env(tp: int) -> dict[str, str]:
     return env
 
 
-def run_script(*args: str, tp: int = 1, timeout: int = 540) -> subprocess.CompletedProcess[str]:
-    env = engine_env(tp)
+def run_script(
+    *args: str, tp: int = 1, timeout: int = 540, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``run_vllm.py`` with ``args``; ``env`` adds to the engine's environment."""
+    process_env = engine_env(tp) | dict(env or {})
     # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
     # directory by default) and leaves them there; each run's go with the run.
     with tempfile.TemporaryDirectory(prefix="kvconn-vllm-ipc-") as sockets:
-        env["VLLM_RPC_BASE_PATH"] = sockets
+        process_env["VLLM_RPC_BASE_PATH"] = sockets
         return subprocess.run(
             [sys.executable, str(HERE / "run_vllm.py"), *args],
-            env=env,
+            env=process_env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -46,7 +50,9 @@ def run_script(*args: str, tp: int = 1, timeout: int = 540) -> subprocess.Comple
         )
 
 
-def run_engine(*args: str, tp: int = 1, timeout: int = 540) -> tuple[dict[str, Any], str]:
+def run_engine(
+    *args: str, tp: int = 1, timeout: int = 540, env: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
     """``run_vllm.py``'s result, and the process's output, of a run that must succeed.
 
     The result comes back in a file: at TP=2 the workers' log lines share the script's
@@ -54,7 +60,7 @@ def run_engine(*args: str, tp: int = 1, timeout: int = 540) -> tuple[dict[str, A
     """
     with tempfile.TemporaryDirectory(prefix="kvconn-vllm-run-") as tmp:
         path = Path(tmp) / "result.json"
-        done = run_script(*args, "--result", str(path), tp=tp, timeout=timeout)
+        done = run_script(*args, "--result", str(path), tp=tp, timeout=timeout, env=env)
         log = done.stdout + done.stderr
         assert done.returncode == 0 and path.exists(), log[-6000:]
         result: dict[str, Any] = json.loads(path.read_text())

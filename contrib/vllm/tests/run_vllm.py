@@ -6,7 +6,9 @@
 writes the outputs as JSON to ``--result FILE`` (not stdout, where at TP=2 the
 workers' log lines land too). ``--marker RUN:NAME[:TEXT]`` writes a file that arms the
 test backend (``plugins/kvconn_test_drop.py``) before generation ``RUN`` (1-based),
-running the prompt that many times. vLLM starts worker processes, hence the ``__main__`` guard.
+running the prompt that many times. ``--kvconn JSON`` puts kvconn on another store (a
+server's backend and options) for one generation, which a fresh engine then reads back.
+vLLM starts worker processes, hence the ``__main__`` guard.
 
 The tiny random models are made here too (``MODELS``), with the geometries vLLM's CPU
 backends accept: head_dim 64 for K/V attention, an MLA latent of 576 (512 + 64).
@@ -154,6 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.backend:
         kvconn["backend"] = args.backend
+    if args.kvconn:
+        kvconn |= json.loads(args.kvconn)
     if args.stripe:
         kvconn["stripe_reads"] = True
     if args.shard_heads:
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_number, name, *text = spec.split(":", 2)
         markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
-    for n in range(1, max([2, *markers]) + 1):
+    for n in range(1, max([args.generations, *markers]) + 1):
         if n > 1 and args.connector == "kvconn":
             settle(args.store)
         for name, text in markers.get(n, []):
@@ -286,6 +290,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
+    parser.add_argument(
+        "--kvconn",
+        metavar="JSON",
+        help="kvconn settings over the LMDB store's (a server's backend and options)",
+    )
+    parser.add_argument("--generations", type=int, default=2, help="times the prompt runs")
     parser.add_argument("--shard-heads", type=int, default=0, help="kvconn's shard_heads")
     parser.add_argument("--connector", choices=("kvconn", "example", "none"), default="kvconn")
     parser.add_argument("--block-size", type=int, default=32)
@@ -301,6 +311,10 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=0)
     parser.add_argument("--result", metavar="FILE", help="where the outputs' JSON goes")
     args = parser.parse_args()
+    if args.kvconn and args.generations > 1:
+        # settle() waits for saves by watching the LMDB store: another store's saves
+        # would not be waited for, and a second generation would race them
+        parser.error("--kvconn runs one generation: a fresh engine reads what this one saved")
     result = run(args)
     if args.result:
         Path(args.result).write_text(json.dumps(result))
