@@ -1220,7 +1220,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 rows,
             )
         )
-        for kv in ("kvconn-lmdb", "kvconn-redis"):
+        for kv in ("kvconn-lmdb", "kvconn-redis", "kvconn-mooncake"):
             if f"ttft/tp{tp}/{kv}" not in results.samples:
                 continue
             best_peer = min(
@@ -1388,7 +1388,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         rows,
                     )
                 )
-            for kv in ("kvconn-lmdb", "kvconn-redis"):
+            for kv in ("kvconn-lmdb", "kvconn-redis", "kvconn-mooncake"):
                 if f"inside/tp{tp}/{kv}" in results.samples and example["save"] is not None:
                     mine = {k: m("inside", tp, kv, k) for k in example}
                     out.append(
