@@ -2,8 +2,9 @@
 conflicting packages (and neither belongs in kvconn's own environment).
 
 ``nox`` runs every engine test session; ``scripts/test.sh`` calls it after the core suite.
-``nox -s vllm_stores`` runs vLLM on real Redis and Mooncake servers, in an environment of
-its own with the stores' clients, which the ``vllm`` session's leaves out.
+``nox -s vllm_stores`` and ``nox -s sglang_stores`` run the engines on real Redis and
+Mooncake servers, each in an environment of its own with the stores' clients, which the
+``vllm`` and ``sglang`` sessions' leave out.
 ``nox -s bench_vllm -- [options]`` runs benchmarks/bench_engine_vllm.py (never by default).
 A session installs its environment once and reuses it while its requirements file is
 unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
@@ -25,6 +26,9 @@ ROOT = Path(__file__).parent
 #: The CPU build of torch every engine here pins. Installed first and on its own: a
 #: plain ``pip install torch`` (or letting an engine resolve it) pulls a CUDA build.
 TORCH = "torch==2.13.0"
+#: The stores' clients and the test servers' helpers, added to an engine's environment by
+#: its ``*_stores`` session (and by ``bench_vllm``).
+STORES = ROOT / "contrib/requirements-stores.txt"
 
 
 def _install_once(session: nox.Session, *requirements: Path) -> None:
@@ -44,18 +48,13 @@ def _install_once(session: nox.Session, *requirements: Path) -> None:
     stamp.write_text(digest)
 
 
-def _engine_tests(
-    session: nox.Session,
-    engine: str,
-    *,
-    extra: tuple[str, ...] = (),
-    marks: str = "not stores",
-    **env: str,
-) -> None:
-    """Install the engine's environment (once, with the ``extra`` requirements files of
-    contrib/<engine>), then run contrib/<engine>/tests selected by ``marks`` in it."""
-    files = [ROOT / f"contrib/{engine}/requirements-{name}.txt" for name in ("engine", *extra)]
-    _install_once(session, *files)
+def _engine_tests(session: nox.Session, engine: str, *, stores: bool = False, **env: str) -> None:
+    """Install the engine's environment (once; with the stores' clients if ``stores``),
+    then run contrib/<engine>/tests in it: those marked ``stores`` if ``stores``, else
+    the others."""
+    engine_file = ROOT / f"contrib/{engine}/requirements-engine.txt"
+    _install_once(session, engine_file, *([STORES] if stores else []))
+    marks = "stores" if stores else "not stores"
     tests = str(ROOT / f"contrib/{engine}/tests")
     session.run(
         "python",
@@ -84,14 +83,7 @@ def vllm(session: nox.Session) -> None:
 def vllm_stores(session: nox.Session) -> None:
     """vLLM end to end on real Redis and Mooncake servers the tests start (the tests
     marked ``stores``), in vLLM's environment plus the stores' clients."""
-    _engine_tests(
-        session,
-        "vllm",
-        extra=("stores",),
-        marks="stores",
-        HF_HUB_OFFLINE="1",
-        VLLM_TARGET_DEVICE="cpu",
-    )
+    _engine_tests(session, "vllm", stores=True, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
 
 
 @nox.session(python=None)  # the interpreter running nox
@@ -100,12 +92,19 @@ def sglang(session: nox.Session) -> None:
     _engine_tests(session, "sglang", HF_HUB_OFFLINE="1")
 
 
+@nox.session(python=None)  # the interpreter running nox
+def sglang_stores(session: nox.Session) -> None:
+    """SGLang's HiCacheController on real Redis and Mooncake servers the tests start (the
+    tests marked ``stores``), in SGLang's environment plus the stores' clients."""
+    _engine_tests(session, "sglang", stores=True, HF_HUB_OFFLINE="1")
+
+
 # not a test: a plain ``nox`` (scripts/test.sh) leaves it out; ``nox -s bench_vllm`` runs it
 @nox.session(python=None, default=False)
 def bench_vllm(session: nox.Session) -> None:
     """benchmarks/bench_engine_vllm.py: kvconn inside vLLM against vLLM's own caches.
 
-    vLLM's environment plus the stores' clients (contrib/vllm/requirements-stores.txt)
+    vLLM's environment plus the stores' clients (contrib/requirements-stores.txt)
     and what MooncakeStoreConnector needs (benchmarks/requirements-bench-vllm.txt),
     in an environment of its own so the adapter's tests never see those packages.
     ``nox -s bench_vllm -- --help`` lists the benchmark's options. The benchmark sets the
@@ -114,7 +113,7 @@ def bench_vllm(session: nox.Session) -> None:
     _install_once(
         session,
         ROOT / "contrib/vllm/requirements-engine.txt",
-        ROOT / "contrib/vllm/requirements-stores.txt",
+        STORES,
         ROOT / "benchmarks/requirements-bench-vllm.txt",
     )
     session.run("python", str(ROOT / "benchmarks/bench_engine_vllm.py"), *session.posargs)

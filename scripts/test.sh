@@ -29,13 +29,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 # A full disk fails pip deep into a run ("No space left on device" after the vLLM suite
-# has taken 15 minutes): say so up front instead. The engine environments take 1.8 (vLLM,
-# and vLLM with the stores' clients) and 2.5 GiB (SGLang); round up to 3 each, pip unpacks
-# wheels beside them; torch about 1.
+# has taken 15 minutes): say so up front instead. The engine environments take 1.8 (vLLM)
+# and 2.5 GiB (SGLang), each twice (with and without the stores' clients); round up to 3
+# each, pip unpacks wheels beside them; torch about 1.
 need_gib=1
 "$PY" -c 'import torch' 2>/dev/null || need_gib=$((need_gib + 1))
 if [ "$#" -eq 0 ] && [ "${KVCONN_SKIP_ENGINES:-0}" != 1 ]; then
-    for env in vllm vllm_stores sglang; do [ -d ".nox/$env" ] || need_gib=$((need_gib + 3)); done
+    for env in vllm vllm_stores sglang sglang_stores; do [ -d ".nox/$env" ] || need_gib=$((need_gib + 3)); done
 fi
 free_gib=$(( $(df -Pk . | awk 'NR == 2 {print $4}') / 1048576 ))
 if [ "$free_gib" -lt "$need_gib" ]; then

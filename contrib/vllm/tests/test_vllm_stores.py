@@ -2,7 +2,7 @@
 started on loopback ports by these tests (``kvconn.tools.devserver``) and stopped after.
 
 These run in ``nox -s vllm_stores``, an environment with the stores' clients
-(``contrib/vllm/requirements-stores.txt``); ``nox -s vllm`` leaves them out, and this
+(``contrib/requirements-stores.txt``); ``nox -s vllm`` leaves them out, and this
 module with them (the ``stores`` marker), so that suite shows the adapter needs neither.
 
 Each case is two engine processes: the first generates a prompt (a miss: its full blocks

@@ -1,0 +1,171 @@
+"""kvconn behind SGLang's real HiCache controller on real store servers: Redis and
+Mooncake Store, started on loopback ports by these tests (``kvconn.tools.devserver``).
+
+These run in ``nox -s sglang_stores``, an environment with the stores' clients
+(``contrib/requirements-stores.txt``); ``nox -s sglang`` leaves them out, and this module
+with them (the ``stores`` marker). Both backends declare their clients safe to share, so
+the controller's threads (backup, prefetch, prefetch I/O) call them concurrently, over
+the network, in a TP group of two real processes; the cases are those of
+``test_hicache_tp_group.py`` that differ in what each rank writes and reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from harness import WORLD, Case, expected_page, run_cases
+
+from kvconn.integrity import PageChecksum
+from kvconn.registry import load_backend
+from kvconn.testing.suite import require_or_skip
+
+pytestmark = [pytest.mark.stores, pytest.mark.slow]
+
+#: More pages than test_hicache_tp_group's, so a batch carries several keys per thread.
+PAGES = 24
+DSA_PAGE = 64  # SGLang's DSA pool takes 64-token pages only
+DSA_PAGES = 6
+
+
+def extra_config(name: str, store: str, options: dict[str, Any]) -> dict[str, Any]:
+    kvconn = {"model": "test/model@rev", "namespace": name, "backend": store, "options": options}
+    return {
+        "backend_name": "kvconn",
+        "module_path": "kvconn_sglang",
+        "class_name": "KvconnHiCacheStorage",
+        "interface_v1": 1,
+        "kvconn": kvconn,
+    }
+
+
+#: name -> (store, Case keyword arguments)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "redis-mha-layer-first": ("redis", {}),
+    "mooncake-mha-layer-first": ("mooncake", {}),
+    "mooncake-mha-page-first": ("mooncake", {"layout": "page_first"}),
+    # one KV head for the model at TP=2: both ranks hold it, the writes are spread
+    "mooncake-gqa-duplicated": ("mooncake", {"heads": 1, "kv_heads": 1}),
+    # the MLA latent and DeepSeek-V3.2's indexer: rank 0 saves, both ranks load
+    "mooncake-dsa-layer-first": ("mooncake", {"model": "dsa", "page_size": DSA_PAGE}),
+}
+
+
+def pages_of(name: str) -> int:
+    return DSA_PAGES if CASES[name][1].get("model") == "dsa" else PAGES
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, Any]]:
+    from kvconn.tools.devserver.mooncake import MooncakeCluster
+    from kvconn.tools.devserver.redis import RedisServer
+
+    require_or_skip(RedisServer.available())
+    require_or_skip(MooncakeCluster.available())
+    with contextlib.ExitStack() as stack:
+        # Mooncake's transfer engines (the ranks', this process's) would advertise a
+        # non-loopback address without it
+        patch = stack.enter_context(pytest.MonkeyPatch.context())
+        patch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        redis = stack.enter_context(RedisServer())
+        mooncake = stack.enter_context(MooncakeCluster(segment_size=256 * 2**20))
+        yield {"redis": redis, "mooncake": mooncake}
+
+
+@pytest.fixture(scope="module")
+def runs(servers: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    cases = [
+        Case(
+            name,
+            pages=pages_of(name),
+            extra_config=extra_config(name, store, servers[store].options),
+            **kwargs,
+        )
+        for name, (store, kwargs) in CASES.items()
+    ]
+    results = run_cases(cases)
+    out = dict(zip(CASES, results))
+    for name, ranks in out.items():
+        for r in ranks:
+            assert "error" not in r, f"{name} failed on rank {r['rank']}:\n{r['error']}"
+    return out
+
+
+def written(rank_result: dict[str, Any]) -> int:
+    return int(rank_result["kvconn"]["total"].get("written", {}).get("pages", 0))
+
+
+def stored_value(servers: dict[str, Any], name: str, key: str, size: int) -> bytes:
+    """The value under ``key`` in the case's server, read by a client of this process."""
+    store = CASES[name][0]
+    backend = load_backend(store, dict(servers[store].options))
+    try:
+        buffer = bytearray(size)
+        assert backend.get([key], [memoryview(buffer)]) == [True], key
+        return bytes(buffer)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes_from_the_server(
+    runs: dict[str, Any], name: str
+) -> None:
+    pages = pages_of(name)
+    for r in runs[name]:
+        case = Case(**r["case"])
+        assert r["storage_class"] == "KvconnHiCacheStorage"
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == pages * case.page_size
+        assert r["loaded_tokens"] == pages * case.page_size
+        assert r["pages_equal"] == [True] * pages, f"rank {r['rank']}"
+        if case.model == "dsa":
+            assert r["indexer_pages_equal"] == [True] * pages, f"rank {r['rank']} indexer"
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "mha" in n])
+def test_distinct_heads_on_each_rank_are_written_once_per_rank(
+    runs: dict[str, Any], name: str
+) -> None:
+    assert [written(r) for r in runs[name]] == [PAGES] * WORLD
+
+
+def test_a_head_duplicated_on_both_ranks_is_written_once_with_the_writes_spread(
+    runs: dict[str, Any],
+) -> None:
+    per_rank = [written(r) for r in runs["mooncake-gqa-duplicated"]]
+    assert sum(per_rank) == PAGES
+    assert all(n > 0 for n in per_rank), per_rank
+
+
+def test_deepseek_v32_latent_and_indexer_are_written_once_by_rank_0(
+    runs: dict[str, Any],
+) -> None:
+    rank0, rank1 = runs["mooncake-dsa-layer-first"]
+    assert written(rank1) == 0
+    by_role = rank0["kvconn"]["by_role"]["written"]
+    assert {role: n["pages"] for role, n in by_role.items()} == {
+        "latent": DSA_PAGES,
+        "index_k": DSA_PAGES,
+    }
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "layer-first" in n and "mha" in n])
+def test_the_server_holds_sglangs_own_flat_page_with_its_checksum(
+    runs: dict[str, Any], servers: dict[str, Any], name: str
+) -> None:
+    for r in runs[name]:
+        case = Case(**r["case"])
+        dtype = getattr(torch, case.dtype)
+        shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
+        numel = int(torch.tensor(shape).prod())
+        want = bytes(expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype).numpy())
+        key = r["first_page_keys"][0]
+        assert key.startswith(f"{name}/")  # under the case's namespace
+        checksum = PageChecksum()
+        value = stored_value(servers, name, key, len(want) + checksum.size)
+        assert value[: -checksum.size] == want
+        assert checksum.verify([memoryview(value)], [key]) == [True]
