@@ -356,6 +356,24 @@ def expected_page(
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
 
 
+def expected_flat_kv_page(case: Case, rank: int, page: int) -> Any:
+    """The bytes of ``rank``'s flat KV data page ``page``: what SGLang's
+    ``get_data_page(flat=True)`` holds, and what its file backend would store."""
+    import torch
+
+    shape = (case.layers, case.page_size, case.kv_lora_rank + case.rope_dim)
+    if case.model == "mha":
+        shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
+    numel = int(torch.tensor(shape).prod())
+    dtype = getattr(torch, case.dtype)
+    return expected_page(case, case.shard_of(rank), page, numel, dtype)
+
+
+def written(rank_result: dict[str, Any]) -> int:
+    """Pages the rank's kvconn wrote to the store (its connector's counters)."""
+    return int(rank_result["kvconn"]["total"].get("written", {}).get("pages", 0))
+
+
 def case_tokens(case: Case) -> list[int]:
     base = int.from_bytes(hashlib.blake2b(case.name.encode(), digest_size=3).digest(), "little")
     return [base + t for t in range(case.pages * case.page_size)]

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
-from harness import WORLD, Case, expected_page, run_cases
+from harness import WORLD, Case, expected_flat_kv_page, run_cases, written
 
 from kvconn.integrity import PageChecksum
 from kvconn.registry import load_backend
@@ -94,10 +93,6 @@ def runs(servers: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def written(rank_result: dict[str, Any]) -> int:
-    return int(rank_result["kvconn"]["total"].get("written", {}).get("pages", 0))
-
-
 def stored_value(servers: dict[str, Any], name: str, key: str, size: int) -> bytes:
     """The value under ``key`` in the case's server, read by a client of this process."""
     store = CASES[name][0]
@@ -158,11 +153,7 @@ def test_the_server_holds_sglangs_own_flat_page_with_its_checksum(
     runs: dict[str, Any], servers: dict[str, Any], name: str
 ) -> None:
     for r in runs[name]:
-        case = Case(**r["case"])
-        dtype = getattr(torch, case.dtype)
-        shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
-        numel = int(torch.tensor(shape).prod())
-        want = bytes(expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype).numpy())
+        want = bytes(expected_flat_kv_page(Case(**r["case"]), r["rank"], 0).numpy())
         key = r["first_page_keys"][0]
         assert key.startswith(f"{name}/")  # under the case's namespace
         checksum = PageChecksum()

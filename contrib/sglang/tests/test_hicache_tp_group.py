@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 import torch
-from harness import WORLD, Case, EvictPage, expected_page, run_cases
+from harness import (
+    WORLD,
+    Case,
+    EvictPage,
+    expected_flat_kv_page,
+    expected_page,
+    run_cases,
+    written,
+)
 
 from kvconn.integrity import PageChecksum
 from kvconn.registry import load_backend
@@ -117,10 +125,6 @@ def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
         return bytes(view)
     finally:
         backend.close()
-
-
-def written(rank_result: dict[str, Any]) -> int:
-    return int(rank_result["kvconn"]["total"].get("written", {}).get("pages", 0))
 
 
 ALL_LOADED = [
@@ -229,14 +233,7 @@ def test_a_page_evicted_between_exists_and_get_is_a_failed_load_on_every_rank(ru
 @pytest.mark.parametrize("name", ["mha-layer-first", "mha-page-first", "mla-layer-first"])
 def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
     for r in runs[name]:
-        case = Case(**r["case"])
-        dtype = getattr(torch, case.dtype)
-        # what SGLang's get_data_page(flat=True) holds, and its file backend would store
-        shape = (case.layers, case.page_size, case.kv_lora_rank + case.rope_dim)
-        if case.model == "mha":
-            shape = (2, case.layers, case.page_size, case.heads, case.head_dim)
-        numel = int(torch.tensor(shape).prod())
-        want = expected_page(case, case.shard_of(r["rank"]), 0, numel, dtype)
+        want = expected_flat_kv_page(Case(**r["case"]), r["rank"], 0)
         # a stored value is the page, then its checksum trailer (kvconn.integrity)
         key = r["first_page_keys"][0]
         value = stored_value(runs, name, key)

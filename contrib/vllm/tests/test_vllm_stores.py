@@ -15,6 +15,7 @@ holds (for Mooncake, a storage process of its own, as in a deployment).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -61,7 +62,7 @@ class Servers:
 
     def __init__(self) -> None:
         self._running: dict[str, Any] = {}
-        self._stack: list[Any] = []
+        self._stack = contextlib.ExitStack()
 
     def get(self, store: str) -> Any:
         if store not in self._running:
@@ -77,13 +78,11 @@ class Servers:
 
                 require_or_skip(MooncakeCluster.available())
                 server = MooncakeCluster(storage_processes=1, segment_size=256 * 2**20)
-            self._running[store] = server.__enter__()
-            self._stack.append(server)
+            self._running[store] = self._stack.enter_context(server)
         return self._running[store]
 
     def close(self) -> None:
-        while self._stack:
-            self._stack.pop().__exit__(None, None, None)
+        self._stack.close()
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +98,8 @@ def redis_keys(server: Any, namespace: str) -> list[str]:
     """Every key under ``namespace`` in the Redis server, manifests included."""
     import redis
 
-    client = redis.Redis.from_url(server.url)
-    try:
+    with redis.Redis.from_url(server.url) as client:
         return sorted(k.decode() for k in client.scan_iter(match=f"{namespace}/*"))
-    finally:
-        client.close()
 
 
 def key_count(store: str, server: Any) -> int:
@@ -113,21 +109,20 @@ def key_count(store: str, server: Any) -> int:
         return int(server.metrics()["master_key_count"])
     import redis
 
-    client = redis.Redis.from_url(server.url)
-    try:
+    with redis.Redis.from_url(server.url) as client:
         return int(client.dbsize())
-    finally:
-        client.close()
 
 
+@dataclass(frozen=True)
 class Run:
     """A case's engines: the first (a miss) and the fresh one (a hit) on the server, the
     objects the first added to it, and a reference run of the same model on LMDB in one
     engine (a miss, then a hit) that the server's runs must equal."""
 
-    def __init__(self, first: dict[str, Any], fresh: dict[str, Any], added: int) -> None:
-        self.first, self.fresh, self.added = first, fresh, added
-        self.reference: list[dict[str, Any]] = []
+    first: dict[str, Any]
+    fresh: dict[str, Any]
+    added: int
+    reference: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
@@ -169,12 +164,12 @@ def engine_runs(
         first, _ = run_engine(*args, tp=case.tp, env=env)
         added = key_count(case.store, server) - before
         fresh, _ = run_engine(*args, tp=case.tp, env=env)
-        done[name] = Run(first["runs"][0], fresh["runs"][0], added)
         if (case.model, case.tp) not in references:
             store = tmp_path_factory.mktemp(f"lmdb-{case.model}-tp{case.tp}") / "store"
             result, _ = run_engine(*common, "--store", str(store), tp=case.tp)
             references[case.model, case.tp] = result["runs"]
-        done[name].reference = references[case.model, case.tp]
+        reference = references[case.model, case.tp]
+        done[name] = Run(first["runs"][0], fresh["runs"][0], added, reference)
         return done[name]
 
     return run
