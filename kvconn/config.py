@@ -100,7 +100,9 @@ class ConnectorConfig:
     #: thread and ``lookup_wait_s``.
     lookup_inline: bool = True
     #: An asynchronous load not finished this long after it was submitted fails its
-    #: blocks (the engine recomputes them); its late bytes never reach the slots.
+    #: blocks (the engine recomputes them); its late bytes never reach the slots. Also
+    #: how long an engine thread that must learn a save's outcome (SGLang's backup
+    #: thread) waits for it.
     load_timeout_s: float = 30.0
     #: An engine step with nothing to compute (vLLM's loop while a hit loads or a
     #: lookup is answered) waits this long at most, for the rank's next load to finish

@@ -287,8 +287,11 @@ class DeadlineLookup:
     vLLM's contract for ``get_num_new_matched_tokens``); asking again with the same tag
     returns the answer once it has come. A lookup still unanswered ``timeout_s`` after it
     started is answered as a miss (``available=False``). With more than ``max_pending``
-    lookups unanswered (a stalled store), new ones are misses at once: a stalled store
-    must not queue up work, nor keep the scheduler waiting.
+    lookups unanswered, or while a lookup that timed out is still unanswered (the store
+    has stalled), new ones are misses at once: a stalled store must not queue up work,
+    nor keep the scheduler waiting once per request (TensorRT-LLM's scheduler cannot be
+    asked again later, so it waits up to ``timeout_s``: only its first request after a
+    stall does). A timed-out or forgotten lookup that no thread has started is cancelled.
 
     A store that answers from this host (``Capabilities.local``, LMDB) is asked on the
     caller's thread instead, unless ``lookup_inline`` is false: its answer (0.2 ms for 63
@@ -333,6 +336,8 @@ class DeadlineLookup:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvconn-lookup")
         self._lock = threading.Lock()
         self._pending: dict[Hashable, tuple[float, Future[LookupResult]]] = {}
+        #: lookups answered as misses for being late that the store has not answered yet
+        self._overdue: set[Future[LookupResult]] = set()
         self.timed_out = 0  # lookups answered as misses because the store was too slow
         self._late_logged_at: float | None = None
         caps = lookup.backend.capabilities
@@ -352,6 +357,13 @@ class DeadlineLookup:
             if entry is None:
                 if self.lookup.calls.down:
                     return LookupResult(0, 0, available=False)  # back-off: no thread needed
+                if self._overdue:
+                    self.timed_out += 1
+                    self._log_late(
+                        f"{len(self._overdue)} lookups are still unanswered after "
+                        f"lookup_timeout_s ({self.timeout_s * 1000:.0f} ms)"
+                    )
+                    return LookupResult(0, 0, available=False)
                 if len(self._pending) >= self.max_pending:
                     self.timed_out += 1
                     self._log_late(f"{len(self._pending)} lookups are still unanswered")
@@ -385,10 +397,21 @@ class DeadlineLookup:
                     f"a lookup got no answer within lookup_timeout_s "
                     f"({self.timeout_s * 1000:.0f} ms)"
                 )
-            if logged:
+                overdue = not future.cancel()  # cancelled: it had not started
+                if overdue:
+                    self._overdue.add(future)
+            # outside the lock: a callback runs at once if the lookup has just finished
+            if overdue:
+                future.add_done_callback(self._answered)
+            if logged and overdue:
                 future.add_done_callback(lambda f: self._log_answered_late(f, started))
             return LookupResult(0, 0, available=False)
         return None
+
+    def _answered(self, future: Future[LookupResult]) -> None:
+        """An overdue lookup has come back: the store answers again."""
+        with self._lock:
+            self._overdue.discard(future)
 
     def _log_late(self, why: str) -> bool:
         """Log a miss served because the store was late, at most once an interval."""
@@ -441,13 +464,16 @@ class DeadlineLookup:
     def forget(self, tag: Hashable) -> None:
         """Drop an unanswered question (the request went away)."""
         with self._lock:
-            self._pending.pop(tag, None)
+            entry = self._pending.pop(tag, None)
+        if entry is not None:
+            entry[1].cancel()  # no thread asks the store for a request that is gone
 
     def close(self) -> None:
         """Stop without waiting: a lookup stuck in a stalled store is left to its timeout."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._pending.clear()
+            self._overdue.clear()
 
 
 def check_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:

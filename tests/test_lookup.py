@@ -156,9 +156,8 @@ def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_t
             time.sleep(0.06)
             late = asker.ask("r1", HASHES)
             assert late is not None and not late.available
-            assert asker.ask("r2", HASHES) is None
-            time.sleep(0.06)
-            assert asker.ask("r2", HASHES) is not None  # late again, within the interval
+            r2 = asker.ask("r2", HASHES)  # a miss at once: r1 is still unanswered
+            assert r2 is not None and not r2.available  # late again, within the interval
             store.release("exists")
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and "answered after" not in caplog.text:
@@ -175,6 +174,71 @@ def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_t
         took_ms = float(answered[0].split("after ")[1].split(" ms")[0])
         assert took_ms >= 50
         assert asker.timed_out == 2
+
+
+def test_after_a_lookup_times_out_new_ones_are_misses_at_once_until_the_store_answers():
+    """TensorRT-LLM's scheduler waits for each new request up to the timeout: on a
+    silent store only the first request may wait, not every one."""
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), wait_s=0.1, timeout_s=0.1)
+    asked_before = store.ops("exists")
+    store.hold("exists")
+    try:
+        start = time.monotonic()
+        first = asker.ask("r0", HASHES)
+        assert first is not None and not first.available
+        assert time.monotonic() - start >= 0.1  # waited for the store, up to the timeout
+        start = time.monotonic()
+        later = [asker.ask(f"r{i}", HASHES) for i in range(1, 21)]
+        assert time.monotonic() - start < 0.1  # 20 requests, none waiting for the store
+        assert all(a is not None and not a.available for a in later)
+        assert asker.timed_out == 21
+        assert store.ops("exists") == asked_before  # r0's is at the gate, no other came
+        store.release("exists")
+        deadline = time.monotonic() + 5
+        answer = None
+        while time.monotonic() < deadline and (answer is None or not answer.available):
+            answer = asker.ask(f"after-{time.monotonic()}", HASHES)
+        assert answer is not None and answer.blocks == N  # it answers again: hits again
+    finally:
+        store.release("exists")
+        asker.close()
+
+
+def test_a_lookup_that_times_out_or_is_forgotten_before_a_thread_took_it_never_runs():
+    layout = minimax_m3(tp_size=2)
+    store = GatedBackend()
+    asker = DeadlineLookup(
+        Lookup(CONFIG, layout, backend=store), wait_s=0.0, timeout_s=0.05, threads=1
+    )
+    store.hold("exists")
+    try:
+        assert asker.ask("stuck", HASHES) is None
+        assert store.wait_entered("exists")  # the one thread is held by "stuck"
+        assert asker.ask("queued", HASHES) is None
+        assert asker.ask("gone", HASHES) is None
+        asker.forget("gone")
+        time.sleep(0.06)
+        queued = asker.ask("queued", HASHES)
+        assert queued is not None and not queued.available
+        stuck = asker.ask("stuck", HASHES)
+        assert stuck is not None and not stuck.available
+        store.release("exists")
+        deadline = time.monotonic() + 5
+        answer = None
+        while time.monotonic() < deadline and (answer is None or not answer.available):
+            answer = asker.ask("next", HASHES)  # a miss at once until "stuck" is answered
+            time.sleep(0.01)
+        assert answer is not None and answer.available
+        time.sleep(0.05)
+        # "stuck" and "next" asked the store; "queued" and "gone" were cancelled
+        assert store.ops("exists") == 2
+    finally:
+        store.release("exists")
+        asker.close()
 
 
 def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):

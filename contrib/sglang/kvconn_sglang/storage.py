@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,6 +112,10 @@ class KvconnHiCacheStorage(HiCacheStorage):
         self._kv_shape: HostPoolShape | None = None
         self._side_pools: dict[str, HostPoolShape] = {}
         self._attach_lock = threading.Lock()
+        #: Saves SGLang was told are not stored because the store had not finished them
+        #: within ``load_timeout_s`` (a stalled store); logged once a minute at most.
+        self.late_saves = 0
+        self._late_logged_at: float | None = None
 
     # ------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -321,13 +326,27 @@ class KvconnHiCacheStorage(HiCacheStorage):
         service.finished()  # the service keeps finished transfers until asked: drop them
         return [o is Outcome.LOADED for o in transfer.outcomes]
 
-    @staticmethod
-    def _stored(service: TransferService, transfer: Transfer) -> list[bool]:
+    def _stored(self, service: TransferService, transfer: Transfer) -> list[bool]:
         """Per page, whether it is in the store (written now or already there).
 
-        Waited for on SGLang's backup thread, so a dropped page is reported, not hidden.
+        Waited for on SGLang's backup thread, so a dropped page is reported, not hidden;
+        for ``load_timeout_s`` at most, as a load: a stalled store must not hold the
+        backup thread (and the host pages it pins). Past that every page is reported
+        not stored; the pages are captured, so the store thread may still write them.
         """
-        transfer.wait()
+        if not transfer.wait(service.load_timeout_s):
+            self.late_saves += 1
+            now = time.monotonic()
+            if self._late_logged_at is None or now - self._late_logged_at >= 60.0:
+                self._late_logged_at = now
+                log.warning(
+                    "kvconn: a save of %d pages is unfinished after load_timeout_s (%.1f s): "
+                    "SGLang is told they are not stored (%d such saves so far)",
+                    transfer.blocks,
+                    service.load_timeout_s,
+                    self.late_saves,
+                )
+            return [False] * transfer.blocks
         service.finished()
         return [o is not Outcome.DROPPED for o in transfer.outcomes]
 

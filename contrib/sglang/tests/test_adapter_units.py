@@ -527,3 +527,43 @@ def test_a_large_batch_set_does_not_delay_batch_exists_on_a_thread_safe_backend(
     finally:
         store.release("put")
         storage.close()
+
+
+def test_a_stalled_put_does_not_hold_sglangs_backup_thread_past_load_timeout_s(caplog):
+    """The backup thread waits for a save's outcome within ``load_timeout_s``: then its
+    pages are reported not stored, and the captured pages still reach the store once it
+    answers again."""
+    import time
+
+    from tests.fakes import GatedBackend
+
+    store = GatedBackend()
+    extra = {"interface_v1": 1, "kvconn": {"backend": "lmdb", "load_timeout_s": 0.2}}
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1, extra_config=extra))
+    shape = mha_shape("page_first", pages=16)
+    shape.kv_buffer.normal_()
+    storage.attach(shape, backend=store)
+    keys = [f"{i:064x}" for i in range(1, 4)]
+    try:
+        store.hold("put")
+        start = time.monotonic()
+        with caplog.at_level("WARNING", logger="kvconn"):
+            assert storage.batch_set_v1(keys, torch.arange(0, 12)) == [False] * 3
+            assert storage.batch_set_v1(keys[:1], torch.arange(0, 4)) == [False]
+        took = time.monotonic() - start
+        assert 0.4 <= took < 2.0  # two saves, each waited load_timeout_s, not for the store
+        assert storage.late_saves == 2
+        late = [r.getMessage() for r in caplog.records if "load_timeout_s" in r.getMessage()]
+        assert late == [  # once a minute at most
+            "kvconn: a save of 3 pages is unfinished after load_timeout_s (0.2 s): "
+            "SGLang is told they are not stored (1 such saves so far)"
+        ]
+        store.release("put")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and storage.batch_exists(keys) < 3:
+            time.sleep(0.01)
+        assert storage.batch_exists(keys) == 3  # captured before the stall: written after
+        assert storage.batch_set_v1(keys, torch.arange(0, 12)) == [True] * 3
+    finally:
+        store.release("put")
+        storage.close()

@@ -8,7 +8,8 @@ Scheduler (rank 0, no KV tensors, no torch for keys): ``get_num_new_matched_toke
 hashes the request's full blocks with kvconn's own chain (scoped by its LoRA task;
 requests with multimodal inputs are left alone) and answers from one torch-free
 ``Lookup`` within ``lookup_timeout_s`` (a slow store is a miss, never a blocked
-executor). A hit is an *asynchronous* load: TensorRT-LLM takes the request out of the
+executor; once one lookup is that late, later requests are misses at once until the
+store answers it). A hit is an *asynchronous* load: TensorRT-LLM takes the request out of the
 step, the load goes into this step's metadata (broadcast to every rank), and the request
 comes back once every rank's ``get_finished`` reported its load done.
 
@@ -22,8 +23,9 @@ the same order, which striped loads need. ``start_load_kv`` submits the step's l
 staging then, so the executor never waits on the store); ``get_finished`` reports loads
 done, and the saves of finished requests once their pages are captured: a request whose
 ``request_finished`` said True keeps its blocks until then. The rank-0 worker also hands
-its layout (as a dict) to the scheduler next to it: that is how the scheduler learns the
-keys without holding a tensor.
+its layout (as a dict) and its store client to the scheduler next to it: that is how
+the scheduler learns the keys without holding a tensor, and asks the store without a
+client of its own (whose start-up probe of a silent server would hold the executor).
 
 A promised block that did not arrive (a page evicted between lookup and load) must
 not be read by the forward pass, and 1.2 has no way to ask for its recomputation. An
@@ -51,6 +53,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
     SchedulerOutput,
 )
 
+from kvconn.calls import BackendCalls
 from kvconn.connector import Connector
 from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
@@ -66,8 +69,11 @@ log = logging.getLogger("kvconn.trtllm")
 
 __all__ = ["KvconnLoadError", "KvconnMetadata", "KvconnScheduler", "KvconnWorker", "Transfer"]
 
-#: The rank-0 worker's layout (``KvLayout.to_dict()``), for the scheduler in its process.
-_published_layout: dict[str, Any] | None = None
+#: The rank-0 worker's layout (``KvLayout.to_dict()``) and its connector's store calls,
+#: for the scheduler in its process: it asks the store through that one client, so
+#: it shares the worker's back-off and never connects (nor probes a silent server) on
+#: the executor's thread.
+_published: tuple[dict[str, Any], BackendCalls] | None = None
 #: Requests whose asynchronous load failed on some rank, as the ranks agreed; the rank-0
 #: worker adds them, the scheduler in its process names them in their next step.
 _failed_loads: set[int] = set()
@@ -155,7 +161,7 @@ class KvconnWorker(KvCacheConnectorWorker):
         return None
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
-        global _published_layout
+        global _published
         layout = describe_pool(
             kv_cache_tensor,
             tp_size=self.tp_size,
@@ -170,7 +176,7 @@ class KvconnWorker(KvCacheConnectorWorker):
         )
         self.transfers = TransferService(self.connector)
         if self.rank == 0:
-            _published_layout = layout.to_dict()
+            _published = (layout.to_dict(), self.connector.calls)
 
     def _service(self) -> TransferService:
         if self.transfers is None:
@@ -291,12 +297,13 @@ class KvconnScheduler(KvCacheConnectorScheduler):
     def _asker(self) -> DeadlineLookup:
         """Lookups over the layout the rank-0 worker registered, answered in time."""
         if self._lookup is None:
-            if _published_layout is None:
+            if _published is None:
                 raise ConfigError(
                     "no kvconn worker registered KV caches in this process: the scheduler "
                     "must run on rank 0, next to rank 0's worker"
                 )
-            lookup = Lookup(self.settings.connector, KvLayout.from_dict(_published_layout))
+            layout, calls = _published
+            lookup = Lookup(self.settings.connector, KvLayout.from_dict(layout), calls=calls)
             # 1.2 cannot be asked again later: wait up to the deadline, then a miss
             timeout = lookup.config.lookup_timeout_s
             self._lookup = DeadlineLookup(lookup, wait_s=timeout, timeout_s=timeout)

@@ -109,7 +109,7 @@ def test_parallel_shapes_the_adapter_would_key_wrongly_are_refused(tmp_path, fie
 
 
 def test_a_scheduler_without_a_worker_in_its_process_says_where_it_must_run(monkeypatch):
-    monkeypatch.setattr(connector, "_published_layout", None)
+    monkeypatch.setattr(connector, "_published", None)
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
     scheduler = connector.KvconnScheduler(args)
 
@@ -124,7 +124,7 @@ def test_a_scheduler_without_a_worker_in_its_process_says_where_it_must_run(monk
 
 
 def test_a_request_with_multimodal_inputs_is_neither_looked_up_nor_saved(monkeypatch):
-    monkeypatch.setattr(connector, "_published_layout", None)  # a lookup would raise
+    monkeypatch.setattr(connector, "_published", None)  # a lookup would raise
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
     scheduler = connector.KvconnScheduler(args)
 
@@ -341,3 +341,43 @@ def test_without_block_reuse_the_connector_is_refused_at_start_up(cls):
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(enable_block_reuse=False))
     with pytest.raises(ConfigError, match="enable_block_reuse"):
         getattr(connector, cls)(args)
+
+
+def test_on_a_store_that_never_answers_only_the_first_new_request_waits(monkeypatch, tmp_path):
+    """TensorRT-LLM 1.2 cannot be asked again later, so the scheduler waits for a
+    lookup up to ``lookup_timeout_s``; on a silent store (a real Redis client against a
+    server that accepts and never answers) the requests after it are misses at once,
+    and the scheduler never connects to the store itself: it asks through the worker's
+    client, whose start-up probe ran when the engine started."""
+    import socket
+
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes connections; nothing ever answers
+    port = silent.getsockname()[1]
+    monkeypatch.delenv("KVCONN_CONFIG", raising=False)
+    monkeypatch.setenv("KVCONN_BACKEND", "redis")
+    monkeypatch.setenv("KVCONN_OPTION_URL", f"redis://127.0.0.1:{port}/0")
+    monkeypatch.setenv("KVCONN_OPTION_TIMEOUT_S", "1.0")  # the start-up probe's wait
+    monkeypatch.setenv("KVCONN_LOOKUP_TIMEOUT_S", "0.2")
+    monkeypatch.setenv("KVCONN_RETRY_INTERVAL_S", "0")  # no back-off hides the stall
+    args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
+    worker = connector.KvconnWorker(args)
+    worker.register_kv_caches(torch.zeros((16, 2, 2, 4 * 2 * 8), dtype=torch.bfloat16))
+    scheduler = connector.KvconnScheduler(args)
+    try:
+        start = time.monotonic()
+        assert scheduler.get_num_new_matched_tokens(_prompt_request(0, 22), 0) == (0, False)
+        first = time.monotonic() - start
+        took = []
+        for request_id in range(1, 21):
+            start = time.monotonic()
+            answer = scheduler.get_num_new_matched_tokens(_prompt_request(request_id, 22), 0)
+            took.append(time.monotonic() - start)
+            assert answer == (0, False)
+        assert 0.2 <= first < 0.5  # the lookup timeout: no probe, no redis timeout
+        assert max(took) < 0.05, took  # no request after the first waits for the store
+    finally:
+        scheduler.close()
+        worker.close()
+        silent.close()
