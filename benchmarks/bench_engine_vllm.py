@@ -62,7 +62,9 @@ Figures (``--figures``):
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
                --delay-ms to every call reaching the store (exists, put, get/read,
-               borrow: the test backend ``lmdb-slow``)
+               borrow: the test backend ``lmdb-slow``); the hits are the prompt
+               the ttft engines stored, or, without ttft, one more engine per trial
+               that stores it first
   scheduler    time per get_num_new_matched_tokens call when the store never answers
                (a TCP server that accepts and stays silent, used as a Redis URL)
 
@@ -824,6 +826,10 @@ class Plan:
                 engines[-1][1].append(self.concurrent(config.name))
         return engines
 
+    def seed_phases(self) -> list[dict[str, Any]]:
+        """This trial's prompt into the store, for a stall run without the ttft engines."""
+        return [{"name": "store", "requests": [request("p", self.prompt, 1)]}]
+
     def stall_phases(self, variant: str) -> list[dict[str, Any]]:
         """The measured request ``d`` decodes; after its first tokens, STALL_HITS requests
         arrive whose first ``--prompt-tokens`` tokens are this trial's stored prompt."""
@@ -1080,6 +1086,15 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                     for name in order:
                         ttft_trial(runner, results, plan, CONFIGS[name], figures, failed)
                 if "stall" in figures and "kvconn-lmdb" in args.configs:
+                    if "ttft" not in figures or "kvconn-lmdb" in failed:
+                        # the stall's hits load this trial's prompt, which the ttft
+                        # engines store: without them, store it here, or whichever
+                        # variant runs first would recompute its hits
+                        key = f"stall/tp{tp}/seed/t{trial}"
+                        run = runner.run(key, "kvconn-lmdb", tp, plan.seed_phases())
+                        if run.error:
+                            results.error(key, run.error)
+                            continue
                     variants = list(STALL_VARIANTS)
                     rng.shuffle(variants)
                     for variant in variants:

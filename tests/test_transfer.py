@@ -1,6 +1,10 @@
 """The asynchronous transfer service's rules, over in-memory stores (core logic only).
 
-The same service runs on real backends in tests/test_transfer_backends.py.
+On real stores the same service runs inside the engines' tests: vLLM end to end
+(contrib/vllm/tests, on LMDB, and on Redis and Mooncake servers in ``nox -s
+vllm_stores``), SGLang's HiCache controller (contrib/sglang/tests, ``sglang_stores``) and
+the TensorRT-LLM stand-in (contrib/tensorrt_llm/tests, on LMDB), and beside Mooncake's
+memory registration in tests/test_mooncake_backend.py.
 """
 
 from __future__ import annotations
