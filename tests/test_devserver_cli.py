@@ -343,7 +343,9 @@ def test_servers_that_ignore_sigterm_are_killed_after_one_short_grace_not_one_pe
         took = time.monotonic() - started
     finally:
         cluster.stop()
-    assert STOP_GRACE_S <= took < STOP_GRACE_S + 3, took
+    # one grace per node would be 15 s; one grace plus the kills and reaps took 5.0 s
+    # alone and 9.7 s beside two vLLM engines on a 2-CPU machine
+    assert STOP_GRACE_S <= took < 2.5 * STOP_GRACE_S, took
     assert not [pid for pid in pids if pid is not None and _running(pid)]
 
 
