@@ -776,9 +776,9 @@ def _cause(text: str) -> str | None:
     own error where vLLM relays one (its engine then fails with a generic message),
     else the last exception logged."""
     found = [m for m in map(_EXCEPTION.search, text.splitlines()) if m is not None]
-    relayed = [m for m in found if "Worker failed with error" in m.group(2)]
     if not found:
         return None
+    relayed = [m for m in found if "Worker failed with error" in m.group(2)]
     match = (relayed or found)[-1]
     return f"{match.group(1)}: {match.group(2)[:240]}"
 

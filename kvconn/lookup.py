@@ -33,6 +33,7 @@ from kvconn.errors import ArgumentError, ConfigError, ConnectorClosed, LayoutErr
 from kvconn.hashing import DIGEST_SIZE
 from kvconn.keys import key_prefix, manifest_key, page_key, per_rank_key
 from kvconn.layout import KvLayout, shard_position
+from kvconn.lograte import DEFAULT_INTERVAL_S, LogInterval
 from kvconn.plan import (
     PagePlan,
     RankShare,
@@ -303,9 +304,9 @@ class DeadlineLookup:
     that one answer, as a file check on the same disk would.
 
     A miss served because the store was late is logged (at most once per
-    ``LATE_LOG_INTERVAL_S``, with the count so far), and so is how long that store
-    then took to answer: a hit that became a recompute is otherwise invisible, and
-    "late by 10 ms" and "hung for a minute" call for different fixes.
+    ``log_interval_s``, a minute by default, with the count so far), and so is how long
+    that store then took to answer: a hit that became a recompute is otherwise
+    invisible, and "late by 10 ms" and "hung for a minute" call for different fixes.
     """
 
     #: Inline answers in a row, each slower than ``wait_s`` and ``SLOW_INLINE_S``,
@@ -316,9 +317,6 @@ class DeadlineLookup:
     #: slowed by the GIL or by the CPUs' other work (2.2 ms seen three times in a row on
     #: a 2-CPU machine) would be slower still through a thread, so it stays here.
     SLOW_INLINE_S = 0.05
-    #: Late lookups are logged at most this often: a stalled store makes every lookup
-    #: late, and one line a minute with the running count says as much as thousands.
-    LATE_LOG_INTERVAL_S = 60.0
 
     def __init__(
         self,
@@ -328,6 +326,7 @@ class DeadlineLookup:
         timeout_s: float | None = None,
         threads: int = 2,
         max_pending: int = 64,
+        log_interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self.lookup = lookup
         self.wait_s = lookup.config.lookup_wait_s if wait_s is None else wait_s
@@ -339,7 +338,7 @@ class DeadlineLookup:
         #: lookups answered as misses for being late that the store has not answered yet
         self._overdue: set[Future[LookupResult]] = set()
         self.timed_out = 0  # lookups answered as misses because the store was too slow
-        self._late_logged_at: float | None = None
+        self._late_log = LogInterval(log_interval_s)
         caps = lookup.backend.capabilities
         # thread_safe too: once inline is off, the lookup thread calls the store as well
         self.inline = lookup.config.lookup_inline and caps.local and caps.thread_safe
@@ -415,12 +414,8 @@ class DeadlineLookup:
 
     def _log_late(self, why: str) -> bool:
         """Log a miss served because the store was late, at most once an interval."""
-        now = time.monotonic()
-        if self._late_logged_at is not None and (
-            now - self._late_logged_at < self.LATE_LOG_INTERVAL_S
-        ):
+        if not self._late_log.due():
             return False
-        self._late_logged_at = now
         log.warning(
             "kvconn: backend %r is slow to answer lookups: %s, so it was served as a miss "
             "(%d such misses so far)",

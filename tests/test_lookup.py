@@ -242,8 +242,8 @@ def test_a_lookup_that_times_out_or_is_forgotten_before_a_thread_took_it_never_r
 
 
 def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
-    with stalled_store(wait_s=0.0, timeout_s=60.0, max_pending=2) as (_, asker):
-        asker.LATE_LOG_INTERVAL_S = 0.0
+    deadlines = {"wait_s": 0.0, "timeout_s": 60.0, "max_pending": 2}
+    with stalled_store(**deadlines, log_interval_s=0.0) as (_, asker):
         with caplog.at_level("WARNING", logger="kvconn"):
             assert [asker.ask(i, HASHES) for i in range(2)] == [None] * 2
             asker.ask(2, HASHES)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +70,7 @@ from kvconn.connector import Connector
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT
+from kvconn.lograte import LogInterval
 from kvconn.plan import WriterPolicy, plan_pages
 from kvconn.results import Outcome
 from kvconn.rounds import LoadRounds
@@ -115,7 +115,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         #: Saves SGLang was told are not stored because the store had not finished them
         #: within ``load_timeout_s`` (a stalled store); logged once a minute at most.
         self.late_saves = 0
-        self._late_logged_at: float | None = None
+        self._late_log = LogInterval()
 
     # ------------------------------------------------------------ set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -336,9 +336,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         """
         if not transfer.wait(service.load_timeout_s):
             self.late_saves += 1
-            now = time.monotonic()
-            if self._late_logged_at is None or now - self._late_logged_at >= 60.0:
-                self._late_logged_at = now
+            if self._late_log.due():
                 log.warning(
                     "kvconn: a save of %d pages is unfinished after load_timeout_s (%.1f s): "
                     "SGLang is told they are not stored (%d such saves so far)",
