@@ -292,7 +292,9 @@ class DeadlineLookup:
     has stalled), new ones are misses at once: a stalled store must not queue up work,
     nor keep the scheduler waiting once per request (TensorRT-LLM's scheduler cannot be
     asked again later, so it waits up to ``timeout_s``: only its first request after a
-    stall does). A timed-out or forgotten lookup that no thread has started is cancelled.
+    stall does). A timed-out or forgotten lookup that no thread has started is cancelled;
+    one that a thread runs, forgotten and unanswered past ``timeout_s``, counts as timed
+    out (the request went away, not the evidence that the store hangs).
 
     A store that answers from this host (``Capabilities.local``, LMDB) is asked on the
     caller's thread instead, unless ``lookup_inline`` is false: its answer (0.2 ms for 63
@@ -337,6 +339,9 @@ class DeadlineLookup:
         self._pending: dict[Hashable, tuple[float, Future[LookupResult]]] = {}
         #: lookups answered as misses for being late that the store has not answered yet
         self._overdue: set[Future[LookupResult]] = set()
+        #: forgotten lookups a thread was running, by when they were asked: one the store
+        #: has not answered within ``timeout_s`` is as overdue as one that timed out
+        self._orphans: dict[Future[LookupResult], float] = {}
         self.timed_out = 0  # lookups answered as misses because the store was too slow
         self._late_log = LogInterval(log_interval_s)
         caps = lookup.backend.capabilities
@@ -356,6 +361,8 @@ class DeadlineLookup:
             if entry is None:
                 if self.lookup.calls.down:
                     return LookupResult(0, 0, available=False)  # back-off: no thread needed
+                if self._orphans:
+                    self._adopt_late_orphans()
                 if self._overdue:
                     self.timed_out += 1
                     self._log_late(
@@ -408,9 +415,19 @@ class DeadlineLookup:
         return None
 
     def _answered(self, future: Future[LookupResult]) -> None:
-        """An overdue lookup has come back: the store answers again."""
+        """An overdue (or forgotten) lookup has come back: the store answers again."""
         with self._lock:
             self._overdue.discard(future)
+            self._orphans.pop(future, None)
+
+    def _adopt_late_orphans(self) -> None:
+        """Count forgotten lookups unanswered past ``timeout_s`` as overdue (under the lock)."""
+        now = time.monotonic()
+        late = [f for f, asked in self._orphans.items() if now - asked >= self.timeout_s]
+        for future in late:
+            del self._orphans[future]
+            if not future.done():  # else its callback is about to run, or has
+                self._overdue.add(future)
 
     def _log_late(self, why: str) -> bool:
         """Log a miss served because the store was late, at most once an interval."""
@@ -460,8 +477,13 @@ class DeadlineLookup:
         """Drop an unanswered question (the request went away)."""
         with self._lock:
             entry = self._pending.pop(tag, None)
-        if entry is not None:
-            entry[1].cancel()  # no thread asks the store for a request that is gone
+            if entry is None:
+                return
+            started, future = entry
+            if future.cancel():  # no thread asks the store for a request that is gone
+                return
+            self._orphans[future] = started  # running: the store may be hanging on it
+        future.add_done_callback(self._answered)  # outside the lock: it may run at once
 
     def close(self) -> None:
         """Stop without waiting: a lookup stuck in a stalled store is left to its timeout."""
@@ -469,6 +491,7 @@ class DeadlineLookup:
         with self._lock:
             self._pending.clear()
             self._overdue.clear()
+            self._orphans.clear()
 
 
 def check_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:

@@ -108,11 +108,18 @@ def test_a_deadline_lookup_answers_at_once_when_the_store_is_quick():
 
 
 @contextlib.contextmanager
-def stalled_store(**deadlines: Any) -> Iterator[tuple[GatedBackend, DeadlineLookup]]:
-    """A store whose ``exists`` hangs until released, and a lookup of it within
-    ``deadlines`` (``DeadlineLookup``'s arguments); released and closed afterwards."""
+def stalled_store(
+    *, saved: bool = False, **deadlines: Any
+) -> Iterator[tuple[GatedBackend, DeadlineLookup]]:
+    """A store whose ``exists`` hangs until released (holding ``HASHES`` if ``saved``),
+    and a lookup of it within ``deadlines`` (``DeadlineLookup``'s arguments); released
+    and closed afterwards."""
+    layout = minimax_m3(tp_size=2)
     store = GatedBackend()
-    asker = DeadlineLookup(Lookup(CONFIG, minimax_m3(tp_size=2), backend=store), **deadlines)
+    if saved:
+        for conn in tp_group(layout, store):
+            conn.save(HASHES, SLOTS)
+    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), **deadlines)
     store.hold("exists")
     try:
         yield store, asker
@@ -179,14 +186,8 @@ def test_a_miss_served_late_is_logged_once_an_interval_with_how_long_the_store_t
 def test_after_a_lookup_times_out_new_ones_are_misses_at_once_until_the_store_answers():
     """TensorRT-LLM's scheduler waits for each new request up to the timeout: on a
     silent store only the first request may wait, not every one."""
-    layout = minimax_m3(tp_size=2)
-    store = GatedBackend()
-    for conn in tp_group(layout, store):
-        conn.save(HASHES, SLOTS)
-    asker = DeadlineLookup(Lookup(CONFIG, layout, backend=store), wait_s=0.1, timeout_s=0.1)
-    asked_before = store.ops("exists")
-    store.hold("exists")
-    try:
+    with stalled_store(saved=True, wait_s=0.1, timeout_s=0.1) as (store, asker):
+        asked_before = store.ops("exists")
         start = time.monotonic()
         first = asker.ask("r0", HASHES)
         assert first is not None and not first.available
@@ -203,9 +204,6 @@ def test_after_a_lookup_times_out_new_ones_are_misses_at_once_until_the_store_an
         while time.monotonic() < deadline and (answer is None or not answer.available):
             answer = asker.ask(f"after-{time.monotonic()}", HASHES)
         assert answer is not None and answer.blocks == N  # it answers again: hits again
-    finally:
-        store.release("exists")
-        asker.close()
 
 
 def test_a_lookup_that_times_out_or_is_forgotten_before_a_thread_took_it_never_runs():
@@ -241,8 +239,36 @@ def test_a_lookup_that_times_out_or_is_forgotten_before_a_thread_took_it_never_r
         asker.close()
 
 
+def test_a_forgotten_lookup_the_store_hangs_on_makes_new_ones_misses_after_the_timeout():
+    """A request that went away while its lookup hangs in the store leaves the same
+    evidence as one that timed out: later requests must not wait for the store too."""
+    with stalled_store(saved=True, wait_s=0.0, timeout_s=0.1) as (store, asker):
+        asked_before = store.ops("exists")
+        assert asker.ask("gone", HASHES) is None
+        assert store.wait_entered("exists")  # a thread runs it: forget cannot cancel it
+        asker.forget("gone")
+        fresh = asker.ask("early", HASHES)  # within the timeout: the store is not late yet
+        assert fresh is None
+        asker.forget("early")
+        time.sleep(0.12)
+        start = time.monotonic()
+        later = asker.ask("later", HASHES)
+        assert time.monotonic() - start < 0.05
+        assert later is not None and not later.available  # at once, no thread asked
+        assert asker.timed_out == 1
+        store.release("exists")
+        deadline = time.monotonic() + 5
+        answer = None
+        while time.monotonic() < deadline and (answer is None or not answer.available):
+            answer = asker.ask("again", HASHES)  # misses until "gone" is answered
+            time.sleep(0.01)
+        assert answer is not None and answer.blocks == N
+        # "gone", "early" (its thread had started too) and "again" asked; "later" did not
+        assert store.ops("exists") - asked_before <= 3
+
+
 def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
-    deadlines = {"wait_s": 0.0, "timeout_s": 60.0, "max_pending": 2}
+    deadlines: dict[str, Any] = {"wait_s": 0.0, "timeout_s": 60.0, "max_pending": 2}
     with stalled_store(**deadlines, log_interval_s=0.0) as (_, asker):
         with caplog.at_level("WARNING", logger="kvconn"):
             assert [asker.ask(i, HASHES) for i in range(2)] == [None] * 2
