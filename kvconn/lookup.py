@@ -292,9 +292,12 @@ class DeadlineLookup:
     has stalled), new ones are misses at once: a stalled store must not queue up work,
     nor keep the scheduler waiting once per request (TensorRT-LLM's scheduler cannot be
     asked again later, so it waits up to ``timeout_s``: only its first request after a
-    stall does). A timed-out or forgotten lookup that no thread has started is cancelled;
-    one that a thread runs, forgotten and unanswered past ``timeout_s``, counts as timed
-    out (the request went away, not the evidence that the store hangs).
+    stall does). If that late lookup then fails (a silent server behind a client timeout),
+    new ones stay misses at once while one at a time asks the store in the background,
+    until one is answered in full: else every client timeout and back-off would make one
+    more request wait. A timed-out or forgotten lookup that no thread has started is
+    cancelled; one that a thread runs, forgotten and unanswered past ``timeout_s``,
+    counts as timed out (the request went away, not the evidence that the store hangs).
 
     A store that answers from this host (``Capabilities.local``, LMDB) is asked on the
     caller's thread instead, unless ``lookup_inline`` is false: its answer (0.2 ms for 63
@@ -342,6 +345,9 @@ class DeadlineLookup:
         #: forgotten lookups a thread was running, by when they were asked: one the store
         #: has not answered within ``timeout_s`` is as overdue as one that timed out
         self._orphans: dict[Future[LookupResult], float] = {}
+        #: a lookup was late and no lookup since has been answered in full: the store
+        #: may time out every call (a silent server), so new ones probe it, one at a time
+        self._stalled = False
         self.timed_out = 0  # lookups answered as misses because the store was too slow
         self._late_log = LogInterval(log_interval_s)
         caps = lookup.backend.capabilities
@@ -356,6 +362,7 @@ class DeadlineLookup:
         The hashes of a repeated ask are not compared with the first: a tag names one
         question until it is answered (or :meth:`forget` drops it).
         """
+        probe = None
         with self._lock:
             entry = self._pending.get(tag)
             if entry is None:
@@ -375,12 +382,25 @@ class DeadlineLookup:
                     self._log_late(f"{len(self._pending)} lookups are still unanswered")
                     return LookupResult(0, 0, available=False)
                 hashes = check_hashes(block_hashes)
-                if not self.inline:
+                if self._stalled and not self.inline:
+                    # the late one failed (a client timeout): waiting on the next one
+                    # would likely cost the caller timeout_s again; it probes instead
+                    self.timed_out += 1
+                    self._log_late(
+                        "a lookup that was late then failed; the store is asked again "
+                        "in the background"
+                    )
+                    probe = self._pool.submit(self.lookup.lookup_checked, hashes)
+                    self._overdue.add(probe)
+                elif not self.inline:
                     entry = (
                         time.monotonic(),
                         self._pool.submit(self.lookup.lookup_checked, hashes),
                     )
                     self._pending[tag] = entry
+        if probe is not None:  # outside the lock: it runs at once if the probe is done
+            probe.add_done_callback(self._answered)
+            return LookupResult(0, 0, available=False)
         if entry is None:
             return self._ask_here(hashes)
         started, future = entry
@@ -406,6 +426,7 @@ class DeadlineLookup:
                 overdue = not future.cancel()  # cancelled: it had not started
                 if overdue:
                     self._overdue.add(future)
+                    self._stalled = True
             # outside the lock: a callback runs at once if the lookup has just finished
             if overdue:
                 future.add_done_callback(self._answered)
@@ -415,10 +436,14 @@ class DeadlineLookup:
         return None
 
     def _answered(self, future: Future[LookupResult]) -> None:
-        """An overdue (or forgotten) lookup has come back: the store answers again."""
+        """An overdue, probing or forgotten lookup has come back: the store answers again,
+        in full unless it failed the lookup (a call that timed out in the client)."""
+        whole = not future.cancelled() and future.exception() is None and future.result().available
         with self._lock:
             self._overdue.discard(future)
             self._orphans.pop(future, None)
+            if whole:
+                self._stalled = False
 
     def _adopt_late_orphans(self) -> None:
         """Count forgotten lookups unanswered past ``timeout_s`` as overdue (under the lock)."""
@@ -428,6 +453,7 @@ class DeadlineLookup:
             del self._orphans[future]
             if not future.done():  # else its callback is about to run, or has
                 self._overdue.add(future)
+                self._stalled = True
 
     def _log_late(self, why: str) -> bool:
         """Log a miss served because the store was late, at most once an interval."""
@@ -492,6 +518,7 @@ class DeadlineLookup:
             self._pending.clear()
             self._overdue.clear()
             self._orphans.clear()
+            self._stalled = False
 
 
 def check_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:

@@ -17,11 +17,12 @@ import pytest
 
 from kvconn.backend import Capabilities
 from kvconn.config import ConnectorConfig
+from kvconn.errors import BackendUnavailable
 from kvconn.hashing import block_hashes
 from kvconn.keys import parse_key
 from kvconn.lookup import DeadlineLookup, Lookup, PageKeys
 from kvconn.tools.models import QWEN3_235B_PRESET, minimax_m3
-from tests.fakes import GatedBackend
+from tests.fakes import DictBackend, GatedBackend
 from tests.helpers import tp_group
 
 N = 4
@@ -265,6 +266,58 @@ def test_a_forgotten_lookup_the_store_hangs_on_makes_new_ones_misses_after_the_t
         assert answer is not None and answer.blocks == N
         # "gone", "early" (its thread had started too) and "again" asked; "later" did not
         assert store.ops("exists") - asked_before <= 3
+
+
+class SilentServerBackend(DictBackend):
+    """A store whose client gives up on each call after ``hang_s`` (a server that
+    accepts connections and never answers, behind a client socket timeout)."""
+
+    def __init__(self, hang_s: float) -> None:
+        super().__init__()
+        self.hang_s = hang_s
+        self.silent = True
+
+    def _guard(self, op: str, n: int) -> None:
+        if self.silent:
+            time.sleep(self.hang_s)
+            raise BackendUnavailable(f"{op}: no answer within {self.hang_s}s")
+        super()._guard(op, n)
+
+
+def test_on_a_silent_server_only_the_first_request_waits_not_one_per_client_timeout():
+    """A scheduler that cannot ask again later (TensorRT-LLM's) waits up to the timeout
+    for each new lookup. Each late lookup against a silent server ends in the client's
+    timeout, then the back-off; the lookup after it must not make a request wait again."""
+    layout = minimax_m3(tp_size=2)
+    store = SilentServerBackend(hang_s=0.15)
+    store.silent = False
+    for conn in tp_group(layout, store):
+        conn.save(HASHES, SLOTS)
+    store.silent = True
+    config = ConnectorConfig(model="test-model", backend="dict", retry_interval_s=0.05)
+    asker = DeadlineLookup(Lookup(config, layout, backend=store), wait_s=0.1, timeout_s=0.1)
+    waits: list[float] = []
+    try:
+        end = time.monotonic() + 1.5  # about six timeouts and back-offs of the client
+        while time.monotonic() < end:
+            start = time.monotonic()
+            answer = None
+            while answer is None:  # as TensorRT-LLM's scheduler: until an answer
+                answer = asker.ask(f"r{len(waits)}", HASHES)
+            waits.append(time.monotonic() - start)
+            assert not answer.available
+            time.sleep(0.01)
+        assert len(waits) > 20
+        assert sum(w >= 0.09 for w in waits) == 1  # the first request alone waited
+        store.silent = False  # the server answers again: a probe finds it, hits return
+        deadline = time.monotonic() + 5
+        answer = None
+        while time.monotonic() < deadline and (answer is None or not answer.available):
+            answer = asker.ask(f"after-{time.monotonic()}", HASHES)
+            time.sleep(0.01)
+        assert answer is not None and answer.blocks == N
+    finally:
+        asker.close()
 
 
 def test_lookups_refused_for_a_stalled_store_are_logged_with_the_count(caplog):
