@@ -347,8 +347,9 @@ def test_on_a_store_that_never_answers_only_the_first_new_request_waits(monkeypa
     """TensorRT-LLM 1.2 cannot be asked again later, so the scheduler waits for a
     lookup up to ``lookup_timeout_s``; on a silent store (a real Redis client against a
     server that accepts and never answers) the requests after it are misses at once,
-    and the scheduler never connects to the store itself: it asks through the worker's
-    client, whose start-up probe ran when the engine started."""
+    also once that lookup ends in the client's timeout (the store is then asked in the
+    background), and the scheduler never connects to the store itself: it asks through
+    the worker's client, whose start-up probe ran when the engine started."""
     import socket
 
     silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -369,14 +370,18 @@ def test_on_a_store_that_never_answers_only_the_first_new_request_waits(monkeypa
         start = time.monotonic()
         assert scheduler.get_num_new_matched_tokens(_prompt_request(0, 22), 0) == (0, False)
         first = time.monotonic() - start
-        took = []
-        for request_id in range(1, 21):
+        took: list[float] = []
+        end = time.monotonic() + 2.5  # past two of the client's 1 s timeouts
+        while time.monotonic() < end:
             start = time.monotonic()
-            answer = scheduler.get_num_new_matched_tokens(_prompt_request(request_id, 22), 0)
+            answer = scheduler.get_num_new_matched_tokens(_prompt_request(len(took) + 1, 22), 0)
             took.append(time.monotonic() - start)
             assert answer == (0, False)
+            time.sleep(0.02)
         assert 0.2 <= first < 0.5  # the lookup timeout: no probe, no redis timeout
-        assert max(took) < 0.05, took  # no request after the first waits for the store
+        assert len(took) > 20
+        # no request after the first waits for the store, nor after a client timeout
+        assert max(took) < 0.05, took
     finally:
         scheduler.close()
         worker.close()
