@@ -53,7 +53,9 @@ Figures (``--figures``):
   tpot         time per output token over --decode-tokens tokens, with saving on (the
                first run's decode), against no connector
   concurrency  --concurrency requests at once sharing a --prefix-tokens prefix (stored, or
-               in vLLM's cache, by the earlier runs): output throughput and mean TTFT
+               in vLLM's cache, by the earlier runs): output throughput and mean TTFT;
+               for a connector, how it admitted them: the steps that reported loads,
+               the time to the last report, the forward passes to every first token
   inside       per request, time inside the connector's calls (lookup, load, save,
                completions; background transfers when the adapter has them), the first
                lookup of a fresh engine, and the load against a memcpy of its bytes
@@ -1005,7 +1007,14 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
     return out
 
 
-def concurrency_figures(phase: dict[str, Any] | None) -> dict[str, float | None]:
+def concurrency_figures(run: EngineRun, layers: int) -> dict[str, float | None]:
+    """Throughput and TTFT of the requests that arrive together; for a connector that
+    loads them in the background, also how it admitted them: the steps whose results
+    reported loads (``load_reports``), submission to the last such report
+    (``loads_reported_s``), and the forward passes until every request had its first
+    token (``prefill_steps``). Those are the connector's part, apart from a forward pass
+    whose speed varies more between engine processes than the connectors differ."""
+    phase = run.phase("concurrent")
     if phase is None:
         return {}
     reqs = list(phase["requests"].values())
@@ -1014,12 +1023,30 @@ def concurrency_figures(phase: dict[str, Any] | None) -> dict[str, float | None]
     produced = sum(len(r["tokens"]) for r in reqs)
     firsts = [r["tokens"][0] - r["submitted"] for r in reqs if r["tokens"]]
     cached = [r["cached"] or 0 for r in reqs]
-    return {
+    out: dict[str, float | None] = {
         "throughput_tok_s": produced / (end - begin),
         "requests_s": len(reqs) / (end - begin),
         "mean_ttft": statistics.mean(firsts) if firsts else None,
         "mean_cached_tokens": statistics.mean(cached),
     }
+    reports = [
+        r["t0"] + r["dt"]
+        for r in run.records
+        if r["m"] == "get_transfer_results" and r.get("recving") and begin <= r["t0"] <= end
+    ]
+    if reports:
+        out["load_reports"] = len(reports)
+        out["loads_reported_s"] = max(reports) - begin
+    if len(firsts) == len(reqs):
+        last_first = max(r["tokens"][0] for r in reqs)
+        # vLLM asks the connector for every layer's KV in each forward pass
+        asks = sum(
+            1
+            for r in run.records
+            if r["m"] == "wait_for_layer_load" and begin <= r["t0"] <= last_first
+        )
+        out["prefill_steps"] = asks / layers if asks else None
+    return out
 
 
 def stall_figures(run: EngineRun) -> dict[str, float | None]:
@@ -1209,7 +1236,7 @@ def ttft_trial(
     results.add("ttft", plan.tp, config.name, values)
     last = runs.get("concurrent") or fresh or first
     if plan.tp == 1 and "concurrency" in figures:
-        results.add("concurrency", 1, config.name, concurrency_figures(last.phase("concurrent")))
+        results.add("concurrency", 1, config.name, concurrency_figures(last, plan.args.layers))
     if config.connector is not None:
         results.add("inside", plan.tp, config.name, inside_figures(first, fresh))
 
@@ -1320,6 +1347,9 @@ def report(args: argparse.Namespace, results: Results) -> str:
                     fmt(m("concurrency", 1, c, "mean_ttft")),
                     fmt(m("concurrency", 1, c, "mean_cached_tokens"), digits=0),
                     ratio(tput, base),
+                    fmt(m("concurrency", 1, c, "load_reports"), digits=0),
+                    fmt(m("concurrency", 1, c, "loads_reported_s"), scale=1e3, digits=0),
+                    fmt(m("concurrency", 1, c, "prefill_steps"), digits=0),
                 ]
             )
         if rows:
@@ -1335,9 +1365,16 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         "mean TTFT s",
                         "cached tok",
                         "tok/s / none",
+                        "load reports",
+                        "loads reported ms",
+                        "steps to all firsts",
                     ],
                     rows,
                 )
+                + "\n(load reports: the steps whose results reported loads, each admitting"
+                " its requests to the next step; loads reported: submission to the last;"
+                " steps to all firsts: forward passes until every request had its first"
+                " token. The connector's part, for connectors that load in the background.)"
             )
     if "inside" in args.figures:
         for tp in args.tp:

@@ -21,7 +21,8 @@ a connector: the scheduler's and each worker's. What it provides:
 Each timed call appends one JSON line to ``$BENCH_KVCONN_TIMINGS/<pid>.jsonl``:
 ``{"m": method, "t0": start, "dt": seconds, "pid", "role"}`` with ``t0`` on
 ``time.monotonic()``, one clock for every process of the machine, so the benchmark can
-attribute calls to the phases it timed in its own process. Nothing is written when the
+attribute calls to the phases it timed in its own process; ``get_transfer_results`` adds
+``recving``, how many requests it reported loaded. Nothing is written when the
 variable is unset, and the connector behaves exactly as its base class.
 """
 
@@ -112,14 +113,31 @@ def _role(connector: Any) -> str:
     return str(getattr(role, "name", role)).lower()
 
 
+def _reported_loads(results: Any) -> dict[str, int]:
+    """How many requests a worker's ``get_transfer_results`` reported loaded: a request
+    waiting for its load runs in the step after the one whose results report it, so
+    these tell how the connector admitted requests that arrived together."""
+    return {"recving": len(getattr(results, "finished_recving", None) or ())}
+
+
+#: What a timed call's return value adds to its record, for the calls that add any.
+_NOTED: dict[str, Callable[[Any], dict[str, int]]] = {"get_transfer_results": _reported_loads}
+
+
 def _timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+    note = _NOTED.get(name)
+
     @functools.wraps(call)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.monotonic()
+        extra: dict[str, int] = {}
         try:
-            return call(self, *args, **kwargs)
+            result = call(self, *args, **kwargs)
+            if note is not None:
+                extra = note(result)
+            return result
         finally:
-            record(name, start, time.monotonic() - start, role=_role(self))
+            record(name, start, time.monotonic() - start, role=_role(self), **extra)
 
     return wrapper
 
