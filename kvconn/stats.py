@@ -56,6 +56,8 @@ class ConnectorStats:
         self.lookup_errors = 0
         #: Asynchronous saves dropped because in-flight staging was at its ceiling.
         self.staging_full = 0
+        #: Background loads failed because they did not finish within ``load_timeout_s``.
+        self.late_loads = 0
         #: Striped loads whose ranks were not loading the same blocks (an engine that
         #: skipped a load on some rank): failed on every rank, nothing exchanged; and
         #: replica checks whose ranks were not comparing the same blocks.
@@ -86,13 +88,14 @@ class ConnectorStats:
 
     def bump(self, counter: str, n: int = 1) -> None:
         """Add ``n`` to a plain counter (``lookups``, ``lookup_errors``, ``backend_errors``,
-        ``staging_full``, ``group_mismatches``, ``replicas_verified``,
+        ``staging_full``, ``late_loads``, ``group_mismatches``, ``replicas_verified``,
         ``replica_mismatch``), thread-safely."""
         assert counter in (
             "lookups",
             "lookup_errors",
             "backend_errors",
             "staging_full",
+            "late_loads",
             "group_mismatches",
             "replicas_verified",
             "replica_mismatch",
@@ -126,6 +129,7 @@ class ConnectorStats:
                 "lookups": self.lookups,
                 "lookup_errors": self.lookup_errors,
                 "staging_full": self.staging_full,
+                "late_loads": self.late_loads,
                 "group_mismatches": self.group_mismatches,
                 "replicas_verified": self.replicas_verified,
                 "replica_mismatch": self.replica_mismatch,

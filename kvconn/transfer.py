@@ -53,6 +53,7 @@ from kvconn.connector import CapturedPages, Connector
 from kvconn.cpus import AUTO, placement
 from kvconn.errors import ConnectorClosed
 from kvconn.gate import ScatterGate
+from kvconn.lograte import LogInterval
 from kvconn.plan import WriterPolicy
 from kvconn.replica_check import Probe
 from kvconn.results import LoadResult, Outcome, SaveResult
@@ -270,6 +271,7 @@ class TransferService:
         self._side: Any = None  # the CUDA stream captures are queued on
         #: Saves dropped because in-flight staging was at its ceiling.
         self.saves_refused = 0
+        self._late_log = LogInterval()  # late loads: one warning an interval
 
     # ------------------------------------------------------------------ submit
     def save(
@@ -379,20 +381,31 @@ class TransferService:
                 for t in self._open.values()
                 if t.kind == "load" and now - t.submitted >= self.load_timeout_s
             ]
-        for transfer in late:
-            if transfer.cancel():
-                log.warning(
-                    "kvconn: a load of %d blocks (tag %r) did not finish within %.1fs; "
-                    "its blocks are reported failed",
-                    transfer.blocks,
-                    transfer.tag,
-                    self.load_timeout_s,
-                )
+        cancelled = [t for t in late if t.cancel()]
+        if cancelled:
+            self._log_late_loads(cancelled)
         out = []
         with self._cond:
             while self._finished:
                 out.append(self._finished.popleft())
         return out
+
+    def _log_late_loads(self, cancelled: Sequence[Transfer]) -> None:
+        """Count loads failed for being late; log them at most once an interval, since a
+        stalled store fails every load in flight, step after step."""
+        stats = self.connector.stats
+        stats.bump("late_loads", len(cancelled))
+        if not self._late_log.due():
+            return
+        log.warning(
+            "kvconn: %d load(s) of %d blocks (tags %s) did not finish within %.1fs; their "
+            "blocks are reported failed (%d late loads so far)",
+            len(cancelled),
+            sum(t.blocks for t in cancelled),
+            ", ".join(repr(t.tag) for t in cancelled[:3]) + (", ..." if len(cancelled) > 3 else ""),
+            self.load_timeout_s,
+            stats.late_loads,
+        )
 
     @property
     def in_flight(self) -> int:

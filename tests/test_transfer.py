@@ -218,9 +218,9 @@ def test_an_async_load_of_evicted_pages_fails_those_blocks_and_leaves_their_slot
     )
 
 
-def test_a_load_stalled_past_its_timeout_fails_and_its_late_bytes_never_reach_the_slots(
-    services,
-):
+def stalled_reader(services):
+    """A store holding every block of HASHES whose reads hang until released, and a
+    reader over it whose service fails loads 50 ms after they were submitted."""
     layout = minimax_m3(tp_size=1)
     store = GatedBackend()
     (writer,) = tp_group(layout, store)
@@ -229,6 +229,13 @@ def test_a_load_stalled_past_its_timeout_fails_and_its_late_bytes_never_reach_th
     service = service_for(reader, services)
     service.load_timeout_s = 0.05
     store.hold("get")
+    return store, reader, service
+
+
+def test_a_load_stalled_past_its_timeout_fails_and_its_late_bytes_never_reach_the_slots(
+    services,
+):
+    store, reader, service = stalled_reader(services)
     transfer = service.load(HASHES, SLOTS)
     assert store.wait_entered("get")
     assert finished_within(service, 1, timeout=5) == [transfer]
@@ -237,6 +244,22 @@ def test_a_load_stalled_past_its_timeout_fails_and_its_late_bytes_never_reach_th
     store.release("get")  # the store answers after all
     time.sleep(0.2)
     assert all(torch.equal(a, b) for a, b in zip(before, reader.pools))
+
+
+def test_loads_failed_for_being_late_are_all_counted_but_logged_once_an_interval(services, caplog):
+    store, reader, service = stalled_reader(services)
+    with caplog.at_level("WARNING", logger="kvconn"):
+        for step in range(3):  # a stalled store fails the loads of step after step
+            loads = service.load_many(
+                [LoadRequest(HASHES[i : i + 1], SLOTS[i : i + 1], tag=(step, i)) for i in range(N)]
+            )
+            assert sorted(map(id, finished_within(service, N))) == sorted(map(id, loads))
+    store.release("get")
+    assert reader.stats.late_loads == 3 * N
+    assert reader.stats.snapshot()["late_loads"] == 3 * N
+    late = [r.getMessage() for r in caplog.records if "did not finish within" in r.getMessage()]
+    assert len(late) == 1, late
+    assert f"{N} load(s)" in late[0] and f"({N} late loads so far)" in late[0]
 
 
 def test_a_backend_that_fails_mid_flight_gives_failed_and_dropped_blocks_not_exceptions(
