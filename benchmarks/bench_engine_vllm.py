@@ -51,7 +51,9 @@ Figures (``--figures``):
   ttft         a 2,048-token prompt: the first run (compute and store), a hit in a fresh
                engine (the store persists) and a repeat hit in the same engine
   tpot         time per output token over --decode-tokens tokens, with saving on (the
-               first run's decode), against no connector
+               first run's decode), against no connector; and where the CPU went
+               meanwhile, per token, by thread: the model's threads, kvconn's transfer
+               threads, the engine's other threads, the stores' servers
   concurrency  --concurrency requests at once sharing a --prefix-tokens prefix (stored, or
                in vLLM's cache, by the earlier runs): output throughput and mean TTFT;
                for a connector, how it admitted them: the steps that reported loads,
@@ -391,13 +393,17 @@ def run_engine_job(job: dict[str, Any]) -> dict[str, Any]:
         "phases": [],
     }
     for phase in job["phases"]:
-        out["phases"].append(run_phase(engine, phase))
+        out["phases"].append(run_phase(engine, phase, job.get("store_pids", [])))
     return out
 
 
-def run_phase(engine: Any, phase: dict[str, Any]) -> dict[str, Any]:
+def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()) -> dict[str, Any]:
     """Submit the phase's requests (each at once, or after another has ``n`` tokens) and
-    step the engine until every one has finished."""
+    step the engine until every one has finished.
+
+    Every thread's CPU time is read at the start, after the step that brought the last
+    request's first token (where decoding begins), and at the end (:func:`cpu_snapshot`).
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -426,6 +432,7 @@ def run_phase(engine: Any, phase: dict[str, Any]) -> dict[str, Any]:
             engine.add_request(f"{phase['name']}/{request['id']}", prompt, params)
             waiting.remove(request)
 
+    cpu = {"start": cpu_snapshot(store_pids)}
     start = time.monotonic()
     submit_ready()
     while engine.has_unfinished_requests():
@@ -439,9 +446,64 @@ def run_phase(engine: Any, phase: dict[str, Any]) -> dict[str, Any]:
             if output.finished:
                 req["finished"] = now
         submit_ready()
+        if "decode" not in cpu and not waiting and all(r["tokens"] for r in state.values()):
+            cpu["decode"] = cpu_snapshot(store_pids)
+    end = time.monotonic()
+    cpu["end"] = cpu_snapshot(store_pids)
     if waiting:
         raise RuntimeError(f"phase {phase['name']}: requests never submitted: {waiting}")
-    return {"name": phase["name"], "start": start, "end": time.monotonic(), "requests": state}
+    return {"name": phase["name"], "start": start, "end": end, "requests": state, "cpu": cpu}
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under ``root``: an engine's core and workers, or the stores'
+    servers the benchmark started."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def cpu_snapshot(store_pids: Sequence[int] = ()) -> dict[str, Any]:
+    """Nanoseconds each thread has run, and waited runnable for a CPU, so far
+    (``/proc/.../schedstat``), for this engine's processes and the stores' servers.
+
+    The forward pass's speed varies by several percent between engine processes here,
+    more than a connector could add to a decode step; CPU time by thread tells the two
+    apart: what the connector's own threads and the stores' servers ran, and whether the
+    thread that runs the model needed more CPU or only got less of it.
+    """
+    engine = [os.getpid(), *descendants(os.getpid())]
+    threads: dict[str, list[int]] = {}
+    parents: dict[int, int] = {}
+    for pid in (*engine, *store_pids):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+            with open(f"/proc/{pid}/stat") as f:
+                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run, wait = (int(n) for n in f.read().split()[:2])
+                threads[f"{pid}/{tid}"] = [run, wait]
+            except (OSError, IndexError, ValueError):
+                continue
+    return {"t": time.monotonic(), "engine": engine, "threads": threads, "parents": parents}
 
 
 # ------------------------------------------------------------ services for the stores
@@ -675,6 +737,8 @@ class Runner:
             "max_model_len": -(-(longest + BLOCK) // 1024) * 1024,
             "kv_transfer": self.transfer(config),
             "phases": phases,
+            # the stores' servers are this process's other children
+            "store_pids": descendants(os.getpid()),
         }
         (job_dir / "job.json").write_text(json.dumps(job))
         env = dict(os.environ)
@@ -848,7 +912,8 @@ class Plan:
         self, config: Config, figures: set[str]
     ) -> list[tuple[str, list[dict[str, Any]]]]:
         """The engines one configuration runs: the first (compute and store), and for a
-        store that persists a fresh one (hit, repeat hit). Concurrency rides on the last
+        store that persists a fresh one (hit, repeat hit) unless only tpot, stall or
+        scheduler figures are asked for. Concurrency rides on the last
         engine, after the shared prefix is stored (or cached); for a store beside vLLM's
         prefix cache, on an engine of its own, whose cache lacks the prefix."""
         decode = self.args.decode_tokens if (self.tp == 1 and "tpot" in figures) else 1
@@ -856,7 +921,7 @@ class Plan:
         if config.prefix_caching:
             first.append({"name": "repeat", "requests": [request("p", self.prompt, 1)]})
         engines = [("first", first)]
-        if config.persistent:
+        if config.persistent and figures & {"ttft", "inside", "concurrency"}:
             second = [
                 {"name": "fresh", "requests": [request("p", self.prompt, 1)]},
                 {"name": "repeat", "requests": [request("p", self.prompt, 1)]},
@@ -929,6 +994,70 @@ def tpot(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
         return None
     times = phase["requests"][rid]["tokens"]
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+#: Where a decode window's CPU time went, by thread (see :func:`decode_cpu`).
+CPU_GROUPS = ("model", "model_wait", "scheduler", "kvconn", "engine_other", "front_end", "stores")
+WORKER_CALLS = (*LOAD_CALLS, *SAVE_CALLS, *FINISHED_CALLS, "get_block_ids_with_load_errors")
+
+
+def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str, float]:
+    """Milliseconds of CPU per output token while ``rid`` decoded, by thread group.
+
+    * ``model``: the main threads of vLLM's worker processes, which run the forward
+      pass and the connector's worker-side calls; ``model_wait``: the time they were
+      ready to run but waited for a CPU, which is what other threads took from them;
+    * ``scheduler``: the engine core's main thread, which schedules, makes the
+      connector's scheduler-side calls, and waits for the workers (on vLLM's CPU
+      platform it spins while it waits, so it counts about one CPU whatever it does);
+    * ``kvconn``: the threads kvconn's transfer service started (the plugin names them);
+    * ``engine_other``: every other thread of those processes (a peer connector's own,
+      vLLM's messaging, any compute threads beside the main one);
+    * ``front_end``: the process that submits requests and reads outputs;
+    * ``stores``: the stores' servers (Redis, Mooncake's master and storage process).
+
+    Also ``wall``, the time per output token, and ``calls``, the wall time of the
+    connector's worker-side calls per token, which run on a model thread.
+    """
+    phase = run.phase(name)
+    if phase is None or "cpu" not in phase or "decode" not in phase["cpu"]:
+        return {}
+    begin, end = phase["cpu"]["decode"], phase["cpu"]["end"]
+    tokens = len(phase["requests"][rid]["tokens"]) - 1
+    if tokens < 1:
+        return {}
+    named = {f"{r['pid']}/{r['tid']}" for r in run.records if r["m"] == "thread"}
+    front = end["engine"][0]
+    # the engine core is the front end's child that started the workers; with no
+    # worker processes, its main thread runs the forward pass itself
+    parents = {int(pid): ppid for pid, ppid in end.get("parents", {}).items()}
+    cores = {pid for pid, ppid in parents.items() if ppid == front} & set(parents.values())
+    workers = {pid for pid, ppid in parents.items() if ppid in cores}
+    if not workers:  # the busiest child of the front end
+        children = [k for k in end["threads"] if parents.get(int(k.split("/")[0])) == front]
+        busiest = max(children, key=lambda k: end["threads"][k][0], default="0/0")
+        workers, cores = {int(busiest.split("/")[0])}, set()
+    ms = dict.fromkeys(CPU_GROUPS, 0.0)
+    for key, (run_ns, wait_ns) in end["threads"].items():
+        pid, tid = (int(part) for part in key.split("/"))
+        before = begin["threads"].get(key, (0, 0))  # born since: from 0
+        if key in named:
+            group = "kvconn"
+        elif pid not in end["engine"]:
+            group = "stores"
+        elif pid == front:
+            group = "front_end"
+        elif pid == tid and pid in cores | workers:
+            group = "scheduler" if pid in cores else "model"
+        else:
+            group = "engine_other"
+        ms[group] += (run_ns - before[0]) / 1e6 / tokens
+        if group == "model":
+            ms["model_wait"] += (wait_ns - before[1]) / 1e6 / tokens
+    ms["wall"] = (end["t"] - begin["t"]) * 1000 / tokens
+    calls = window_sum(run, begin["t"], end["t"], WORKER_CALLS)
+    ms["calls"] = (calls or 0.0) * 1000 / tokens
+    return ms
 
 
 def window_sum(
@@ -1226,6 +1355,7 @@ def ttft_trial(
     values: dict[str, Any] = {
         "store": ttft(first.phase("store")),
         "tpot": tpot(first.phase("store")) if plan.args.decode_tokens > 1 else None,
+        **{f"decode_cpu_{k}": v for k, v in decode_cpu(first).items()},
         "startup_s": first.result["startup_s"] if first.result else None,
     }
     if config.prefix_caching:
@@ -1334,6 +1464,38 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 f"Time per output token, {args.decode_tokens} tokens after the first run's prompt,"
                 " saving on, TP=1 (target kvconn/none <= 1.03):\n"
                 + table(["configuration", "ms/token", "/ none"], rows)
+            )
+        columns = ("wall", *CPU_GROUPS, "calls")
+        rows = [
+            [CONFIGS[c].label, *(fmt(m("ttft", 1, c, f"decode_cpu_{k}"), 1, 1) for k in columns)]
+            for c in configs
+            if m("ttft", 1, c, "decode_cpu_wall") is not None
+        ]
+        if rows:
+            out.append(
+                "Where the CPU went while that request decoded, ms per output token (wall:"
+                " the time per token; model: the workers' main threads, which run the"
+                " forward pass, and waited: their time ready but without a CPU;"
+                " scheduler: the engine core's, which spins while it waits"
+                " for them; kvconn: its transfer"
+                " threads; other: the engine processes' other threads, a peer connector's"
+                " included; stores: the stores' servers; calls: the connector's worker-side"
+                " calls, wall time, on the model thread):\n"
+                + table(
+                    [
+                        "configuration",
+                        "wall",
+                        "model",
+                        "waited",
+                        "scheduler",
+                        "kvconn",
+                        "other",
+                        "front end",
+                        "stores",
+                        "calls",
+                    ],
+                    rows,
+                )
             )
     if "concurrency" in args.figures and 1 in args.tp:
         rows = []

@@ -22,7 +22,8 @@ Each timed call appends one JSON line to ``$BENCH_KVCONN_TIMINGS/<pid>.jsonl``:
 ``{"m": method, "t0": start, "dt": seconds, "pid", "role"}`` with ``t0`` on
 ``time.monotonic()``, one clock for every process of the machine, so the benchmark can
 attribute calls to the phases it timed in its own process; ``get_transfer_results`` adds
-``recving``, how many requests it reported loaded. Nothing is written when the
+``recving``, how many requests it reported loaded; each kvconn transfer thread
+records its Linux thread id as it starts (``thread``). Nothing is written when the
 variable is unset, and the connector behaves exactly as its base class.
 """
 
@@ -282,6 +283,26 @@ def _time_background_transfers() -> None:
     cls._finish = _finish
 
 
+def _name_transfer_threads() -> None:
+    """Record each kvconn transfer thread's Linux thread id as it starts, so the
+    benchmark can tell its CPU time from the rest of the engine's (``thread`` records)."""
+    found = _unpatched("kvconn.transfer", "TransferService", "_run")
+    if found is None:
+        return
+    cls, run = found
+
+    @functools.wraps(run)
+    def _run(self: Any, loop: Any) -> Any:
+        thread = threading.current_thread()
+        record(
+            "thread", time.monotonic(), 0.0, role="worker", tid=thread.native_id, name=thread.name
+        )
+        return run(self, loop)
+
+    _run._kvconn_bench = True  # type: ignore[attr-defined]
+    cls._run = _run
+
+
 def _time_load_work() -> None:
     """Record each kvconn load's own work (read, verify, scatter: ``Connector.load_into``
     on the load thread), without the queueing and hand-off around it.
@@ -340,6 +361,7 @@ def _note_modules() -> None:
 
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
+    _name_transfer_threads()
     _time_load_work()
     _note_modules()
 
