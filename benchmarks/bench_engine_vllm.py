@@ -53,7 +53,10 @@ Figures (``--figures``):
   tpot         time per output token over --decode-tokens tokens, with saving on (the
                first run's decode), against no connector; and where the CPU went
                meanwhile, per token, by thread: the model's threads, kvconn's transfer
-               threads, the engine's other threads, the stores' servers
+               threads, the engine's other threads, the stores' servers. The forward
+               pass's speed varies between engine processes by more than a connector
+               adds; "/ none, model aside" sets it aside (an upper bound on the
+               connector's part: its time off the model and every CPU-ms beside it)
   concurrency  --concurrency requests at once sharing a --prefix-tokens prefix (stored, or
                in vLLM's cache, by the earlier runs): output throughput and mean TTFT;
                for a connector, how it admitted them: the steps that reported loads,
@@ -998,7 +1001,14 @@ def tpot(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
 
 #: Where a decode window's CPU time went, by thread (see :func:`decode_cpu`).
 CPU_GROUPS = ("model", "model_wait", "scheduler", "kvconn", "engine_other", "front_end", "stores")
-WORKER_CALLS = (*LOAD_CALLS, *SAVE_CALLS, *FINISHED_CALLS, "get_block_ids_with_load_errors")
+#: every connector call the plugin times, scheduler's and workers'
+TIMED_CALLS = (
+    *SCHEDULER_CALLS,
+    *LOAD_CALLS,
+    *SAVE_CALLS,
+    *FINISHED_CALLS,
+    "get_block_ids_with_load_errors",
+)
 
 
 def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str, float]:
@@ -1016,8 +1026,13 @@ def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str,
     * ``front_end``: the process that submits requests and reads outputs;
     * ``stores``: the stores' servers (Redis, Mooncake's master and storage process).
 
-    Also ``wall``, the time per output token, and ``calls``, the wall time of the
-    connector's worker-side calls per token, which run on a model thread.
+    Also ``wall``, the time per output token; ``calls``, the wall time of the
+    connector's calls per token, scheduler's and workers' (at TP=1 each waits for the
+    other); and ``off_model``, ``wall - model + calls``: the time per token that was not
+    the forward pass, what a connector can add to a token however fast the engine
+    process's forward pass runs. The forward pass's own speed varies between engine
+    processes by more than a connector adds, and only ``off_model`` of a connector's
+    and of no connector's tell the connector's part apart (:func:`tpot_model_aside`).
     """
     phase = run.phase(name)
     if phase is None or "cpu" not in phase or "decode" not in phase["cpu"]:
@@ -1055,9 +1070,38 @@ def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str,
         if group == "model":
             ms["model_wait"] += (wait_ns - before[1]) / 1e6 / tokens
     ms["wall"] = (end["t"] - begin["t"]) * 1000 / tokens
-    calls = window_sum(run, begin["t"], end["t"], WORKER_CALLS)
-    ms["calls"] = (calls or 0.0) * 1000 / tokens
+    calls = sum(
+        r["dt"] for r in run.records if r["m"] in TIMED_CALLS and begin["t"] <= r["t0"] <= end["t"]
+    )
+    ms["calls"] = calls * 1000 / tokens
+    ms["off_model"] = ms["wall"] - ms["model"] + ms["calls"]
     return ms
+
+
+#: the threads that run beside the forward pass, for :func:`tpot_model_aside`
+BESIDE_MODEL = ("kvconn", "engine_other", "front_end", "stores")
+
+
+def tpot_model_aside(results: Results, config: str, base: str = "none") -> float | None:
+    """Time per output token against ``base``'s with the forward pass's speed set aside.
+
+    ``base``'s time per token plus what ``config`` adds to it (medians): its time off the
+    model, and the CPU time of the threads beside the model (the connector's, the
+    stores' servers', ...) beyond ``base``'s, counted as if all of it were taken from the
+    forward pass: an upper bound, for on two CPUs much of it displaces the scheduler's
+    spinning instead.
+    """
+
+    def added(name: str) -> float | None:
+        ours = results.median("ttft", 1, config, f"decode_cpu_{name}")
+        theirs = results.median("ttft", 1, base, f"decode_cpu_{name}")
+        return None if ours is None or theirs is None else ours - theirs
+
+    tpot = results.median("ttft", 1, base, "decode_cpu_wall")
+    parts = [added(name) for name in ("off_model", *BESIDE_MODEL)]
+    if tpot is None or any(part is None for part in parts):
+        return None
+    return (tpot + sum(p for p in parts if p is not None)) / tpot
 
 
 def window_sum(
@@ -1465,9 +1509,13 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 " saving on, TP=1 (target kvconn/none <= 1.03):\n"
                 + table(["configuration", "ms/token", "/ none"], rows)
             )
-        columns = ("wall", *CPU_GROUPS, "calls")
+        columns = ("wall", *CPU_GROUPS, "calls", "off_model")
         rows = [
-            [CONFIGS[c].label, *(fmt(m("ttft", 1, c, f"decode_cpu_{k}"), 1, 1) for k in columns)]
+            [
+                CONFIGS[c].label,
+                *(fmt(m("ttft", 1, c, f"decode_cpu_{k}"), 1, 1) for k in columns),
+                fmt(tpot_model_aside(results, c), 1, 3),
+            ]
             for c in configs
             if m("ttft", 1, c, "decode_cpu_wall") is not None
         ]
@@ -1479,8 +1527,13 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 " scheduler: the engine core's, which spins while it waits"
                 " for them; kvconn: its transfer"
                 " threads; other: the engine processes' other threads, a peer connector's"
-                " included; stores: the stores' servers; calls: the connector's worker-side"
-                " calls, wall time, on the model thread):\n"
+                " included; stores: the stores' servers; calls: the connector's calls,"
+                " wall time; off model: wall - model + calls, the time per token that was"
+                " not the forward pass; / none, model aside: none's time per token plus"
+                " what this configuration adds to it, time off the model and CPU time"
+                " beside it (kvconn, other, front end, stores) as if all taken from the"
+                " forward pass, against none's: the connector's part, an upper bound,"
+                " whatever the forward pass's speed in each engine process):\n"
                 + table(
                     [
                         "configuration",
@@ -1493,6 +1546,8 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         "front end",
                         "stores",
                         "calls",
+                        "off model",
+                        "/ none, model aside",
                     ],
                     rows,
                 )
