@@ -404,8 +404,11 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
     """Submit the phase's requests (each at once, or after another has ``n`` tokens) and
     step the engine until every one has finished.
 
-    Every thread's CPU time is read at the start, after the step that brought the last
-    request's first token (where decoding begins), and at the end (:func:`cpu_snapshot`).
+    For a phase that asks (``"cpu": True``, the one the tpot figure reads), every
+    thread's CPU time is read after the step that brought the last request's first token
+    (where decoding begins) and at the end (:func:`cpu_snapshot`). Other phases skip the
+    reads: the mid-phase one costs the front end a few ms of ``/proc`` reading, which
+    would land in one token gap of, say, the stall figure's window.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -435,7 +438,7 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
             engine.add_request(f"{phase['name']}/{request['id']}", prompt, params)
             waiting.remove(request)
 
-    cpu = {"start": cpu_snapshot(store_pids)}
+    cpu: dict[str, Any] = {}
     start = time.monotonic()
     submit_ready()
     while engine.has_unfinished_requests():
@@ -449,28 +452,41 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
             if output.finished:
                 req["finished"] = now
         submit_ready()
-        if "decode" not in cpu and not waiting and all(r["tokens"] for r in state.values()):
+        if (
+            phase.get("cpu")
+            and "decode" not in cpu
+            and not waiting
+            and all(r["tokens"] for r in state.values())
+        ):
             cpu["decode"] = cpu_snapshot(store_pids)
     end = time.monotonic()
-    cpu["end"] = cpu_snapshot(store_pids)
+    if phase.get("cpu"):
+        cpu["end"] = cpu_snapshot(store_pids)
     if waiting:
         raise RuntimeError(f"phase {phase['name']}: requests never submitted: {waiting}")
     return {"name": phase["name"], "start": start, "end": end, "requests": state, "cpu": cpu}
 
 
-def descendants(root: int) -> list[int]:
-    """Every live process under ``root``: an engine's core and workers, or the stores'
-    servers the benchmark started."""
-    children: dict[int, list[int]] = {}
+def process_parents() -> dict[int, int]:
+    """Every live process's parent, from one scan of ``/proc``."""
+    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):  # gone meanwhile
             continue
-        children.setdefault(ppid, []).append(int(entry))
+    return parents
+
+
+def descendants(root: int, parents: dict[int, int] | None = None) -> list[int]:
+    """Every live process under ``root``: an engine's core and workers, or the stores'
+    servers the benchmark started."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in (process_parents() if parents is None else parents).items():
+        children.setdefault(ppid, []).append(pid)
     found: list[int] = []
     todo = [root]
     while todo:
@@ -489,15 +505,14 @@ def cpu_snapshot(store_pids: Sequence[int] = ()) -> dict[str, Any]:
     apart: what the connector's own threads and the stores' servers ran, and whether the
     thread that runs the model needed more CPU or only got less of it.
     """
-    engine = [os.getpid(), *descendants(os.getpid())]
+    everyone = process_parents()
+    engine = [os.getpid(), *descendants(os.getpid(), everyone)]
     threads: dict[str, list[int]] = {}
-    parents: dict[int, int] = {}
-    for pid in (*engine, *store_pids):
+    parents = {pid: everyone[pid] for pid in (*engine, *store_pids) if pid in everyone}
+    for pid in parents:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
-            with open(f"/proc/{pid}/stat") as f:
-                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        except OSError:  # gone meanwhile
             continue
         for tid in tids:
             try:
@@ -920,7 +935,9 @@ class Plan:
         engine, after the shared prefix is stored (or cached); for a store beside vLLM's
         prefix cache, on an engine of its own, whose cache lacks the prefix."""
         decode = self.args.decode_tokens if (self.tp == 1 and "tpot" in figures) else 1
-        first = [{"name": "store", "requests": [request("p", self.prompt, decode)]}]
+        first: list[dict[str, Any]] = [
+            {"name": "store", "requests": [request("p", self.prompt, decode)], "cpu": decode > 1}
+        ]
         if config.prefix_caching:
             first.append({"name": "repeat", "requests": [request("p", self.prompt, 1)]})
         engines = [("first", first)]
@@ -1076,6 +1093,11 @@ def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str,
     ms["calls"] = calls * 1000 / tokens
     ms["off_model"] = ms["wall"] - ms["model"] + ms["calls"]
     return ms
+
+
+def decode_cpu_values(run: EngineRun) -> dict[str, float]:
+    """:func:`decode_cpu` of the first engine's store phase, as a trial's values."""
+    return {f"decode_cpu_{k}": v for k, v in decode_cpu(run).items()}
 
 
 #: the threads that run beside the forward pass, for :func:`tpot_model_aside`
@@ -1399,7 +1421,7 @@ def ttft_trial(
     values: dict[str, Any] = {
         "store": ttft(first.phase("store")),
         "tpot": tpot(first.phase("store")) if plan.args.decode_tokens > 1 else None,
-        **{f"decode_cpu_{k}": v for k, v in decode_cpu(first).items()},
+        **decode_cpu_values(first),
         "startup_s": first.result["startup_s"] if first.result else None,
     }
     if config.prefix_caching:

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench_engine_vllm import EngineRun, Results, decode_cpu, tpot_model_aside
+from benchmarks.bench_engine_vllm import (
+    CONFIGS,
+    EngineRun,
+    Plan,
+    Results,
+    decode_cpu,
+    decode_cpu_values,
+    parse_args,
+    tpot_model_aside,
+)
 
 MS = 1_000_000  # nanoseconds
 
@@ -39,7 +48,6 @@ def engine_run(ran_ms: dict[str, float], *, calls_s: float = 0.0, wall_s: float 
         "name": "store",
         "requests": {"p": {"tokens": [10.0 + i * wall_s / 10 for i in range(11)]}},
         "cpu": {
-            "start": snapshot(9.0, start),
             "decode": snapshot(10.0, start, waited_ms=1.0),
             "end": snapshot(10.0 + wall_s, end, waited_ms=3.0),
         },
@@ -93,23 +101,32 @@ def test_a_slower_forward_pass_is_not_the_connectors_but_its_threads_are() -> No
         "ttft",
         1,
         "none",
-        {f"decode_cpu_{k}": v for k, v in decode_cpu(engine_run(THREADS)).items()},
+        decode_cpu_values(engine_run(THREADS)),
     )
     slower_model = {**THREADS, f"{WORKER}/{WORKER}": 1060.0, f"{CORE}/{CORE}": 1090.0}
     results.add(
         "ttft",
         1,
         "slow",
-        {f"decode_cpu_{k}": v for k, v in decode_cpu(engine_run(slower_model, wall_s=1.1)).items()},
+        decode_cpu_values(engine_run(slower_model, wall_s=1.1)),
     )
     busier = {**THREADS, f"{WORKER}/120": 58.0}  # 50 ms more on kvconn's thread
     results.add(
         "ttft",
         1,
         "busy",
-        {f"decode_cpu_{k}": v for k, v in decode_cpu(engine_run(busier, calls_s=0.03)).items()},
+        decode_cpu_values(engine_run(busier, calls_s=0.03)),
     )
     assert tpot_model_aside(results, "slow") == pytest.approx(1.0)
     # 3 ms of calls and 5 ms of kvconn's CPU per token, on a 100 ms token
     assert tpot_model_aside(results, "busy") == pytest.approx(1.08)
     assert tpot_model_aside(results, "absent") is None
+
+
+def test_only_the_phase_the_tpot_figure_reads_asks_for_cpu_snapshots() -> None:
+    args = parse_args(["--figures", "tpot", "ttft", "concurrency", "--tp", "1"])
+    engines = dict(Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], set(args.figures)))
+    asking = [(role, p["name"]) for role, phases in engines.items() for p in phases if p.get("cpu")]
+    assert asking == [("first", "store")]
+    without = Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], {"ttft"})
+    assert not any(p.get("cpu") for _, phases in without for p in phases)
