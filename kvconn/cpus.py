@@ -8,16 +8,34 @@ say ``"inherit"`` (the threads stay where the thread that starts them runs, in a
 binding engine the step's own cores) or name the CPUs outright (``"6-7"``), in every
 engine alike.
 
-Pure functions, torch-free: the configuration validates with them.
+The transfer threads are not the only ones that move bytes: a backend's client may start
+threads of its own as it connects (Mooncake's transfer engine starts some thirty), and a
+new thread runs where the thread that started it runs. :func:`connecting_on` opens the
+connection from the transfer CPUs, so those threads leave the forward pass's core too.
+
+Torch-free: the configuration validates with the pure functions here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+import logging
+import os
+from collections.abc import Collection, Iterator
 
 from kvconn.errors import ConfigError
 
-__all__ = ["AUTO", "INHERIT", "MAX_CPU", "check_setting", "parse_cpu_list", "placement"]
+__all__ = [
+    "AUTO",
+    "INHERIT",
+    "MAX_CPU",
+    "check_setting",
+    "connecting_on",
+    "parse_cpu_list",
+    "placement",
+]
+
+log = logging.getLogger(__name__)
 
 #: The engine adapter's suggestion, if it has one; else where the threads start.
 AUTO = "auto"
@@ -93,3 +111,31 @@ def placement(
             f"transfer_cpus names CPU {max(cpus)}, but this machine has CPUs 0-{online - 1}"
         )
     return cpus
+
+
+@contextlib.contextmanager
+def connecting_on(setting: str, suggested: Collection[int] | None = None) -> Iterator[None]:
+    """Run the body (an engine adapter building its ``Connector``) on the transfer CPUs,
+    then put the calling thread back where it was.
+
+    Threads a backend's client starts while it connects inherit the CPUs of the thread
+    that connects. In an engine that binds its compute threads, that is the forward
+    pass's core, where the client's I/O threads would take turns with the model; made
+    here, they run where kvconn's transfer threads run (:func:`placement` of ``setting``
+    and ``suggested``, as :class:`kvconn.transfer.TransferService` takes them). No
+    placement, or a set the system refuses (logged): the body runs where it is.
+    """
+    cpus = placement(setting, suggested, os.cpu_count())
+    before: set[int] | None = None
+    if cpus is not None:
+        try:
+            before = os.sched_getaffinity(0)  # 0: this thread alone, on Linux
+            os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError, ValueError) as exc:
+            log.warning("kvconn: cannot connect from CPUs %s (%s)", sorted(cpus), exc)
+            before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)

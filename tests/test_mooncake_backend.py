@@ -33,6 +33,7 @@ import torch
 from kvconn.backend import ReadStatus
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
+from kvconn.cpus import connecting_on
 from kvconn.errors import BackendError, BackendUnavailable, ConfigError
 from kvconn.hashing import block_hashes
 from kvconn.registry import describe_backends, load_backend
@@ -640,6 +641,29 @@ def test_exists_answers_any_mix_of_hits_and_misses_per_key(backend: Any, prefix:
     assert backend.exists(keys) == [i in stored for i in range(12)]
     assert backend.exists(keys[:3]) == [True] * 3
     assert backend.exists(keys[3:5]) == [False] * 2
+
+
+def test_the_clients_threads_run_on_the_cpus_it_connected_from(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    """Mooncake's transfer engine starts its I/O threads as the client connects. Opened
+    within ``connecting_on`` (as the engine adapters open it), they run on the transfer
+    CPUs, not on the core the engine's thread, and its forward pass, is bound to."""
+    own = os.sched_getaffinity(0)
+    chosen = {max(own)}
+    tasks = f"/proc/{os.getpid()}/task"
+    before = set(os.listdir(tasks))
+    with connecting_on("auto", chosen):
+        backend = _open(_options(cluster))
+    try:
+        assert os.sched_getaffinity(0) == own
+        backend.put([f"{prefix}/cpus"], [b"x" * 4096])  # connections made on first use too
+        assert backend.exists([f"{prefix}/cpus"]) == [True]
+        started = {int(t) for t in set(os.listdir(tasks)) - before}
+        assert len(started) >= 4, "Mooncake's client started no threads of its own"
+        assert {t: os.sched_getaffinity(t) for t in started} == dict.fromkeys(started, chosen)
+    finally:
+        backend.close()
 
 
 # ---------------------------------------------------------------- lifecycle and faults

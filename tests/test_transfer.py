@@ -19,6 +19,7 @@ import torch
 
 from kvconn.backend import Capabilities
 from kvconn.connector import Connector
+from kvconn.cpus import connecting_on
 from kvconn.errors import ArgumentError, BackendUnavailable, ConfigError, ConnectorClosed
 from kvconn.hashing import block_hashes
 from kvconn.integrity import PageChecksum
@@ -518,6 +519,45 @@ def test_cpus_the_system_refuses_are_logged_and_the_transfers_still_run(services
         save = service.save(HASHES, SLOTS)
         assert save.wait(10) and save.result.ok
     assert "cannot run kvconn-store on CPUs [1048576]" in caplog.text
+
+
+def _affinity_of_a_thread_started_here() -> set[int]:
+    seen: list[set[int]] = []
+    thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_threads_a_client_starts_as_it_connects_run_on_the_transfer_cpus():
+    """Mooncake's client starts its I/O threads as it connects; in an engine that binds
+    its step to a core they would share the forward pass's core. Connecting on the
+    transfer CPUs moves them, and the engine's thread goes back where it was."""
+    own = os.sched_getaffinity(0)
+    chosen = {max(own)}
+    with connecting_on("auto", chosen):
+        assert _affinity_of_a_thread_started_here() == chosen
+    assert os.sched_getaffinity(0) == own
+    with connecting_on(str(min(own)), chosen):  # the configured list wins
+        assert _affinity_of_a_thread_started_here() == {min(own)}
+    with connecting_on("inherit", chosen):
+        assert _affinity_of_a_thread_started_here() == own
+    assert os.sched_getaffinity(0) == own
+
+
+def test_the_engines_thread_goes_back_where_it_was_when_connecting_fails():
+    own = os.sched_getaffinity(0)
+    with pytest.raises(ConfigError), connecting_on("auto", {max(own)}):
+        raise ConfigError("the store refused the connection")
+    assert os.sched_getaffinity(0) == own
+
+
+def test_cpus_refused_while_connecting_are_logged_and_the_connection_is_still_made(caplog):
+    own = os.sched_getaffinity(0)
+    with caplog.at_level("WARNING", logger="kvconn"), connecting_on("auto", {1 << 20}):
+        assert _affinity_of_a_thread_started_here() == own
+    assert "cannot connect from CPUs [1048576]" in caplog.text
+    assert os.sched_getaffinity(0) == own
 
 
 @pytest.mark.parametrize("cpus", [set(), {-1}, {True}, {"0"}])

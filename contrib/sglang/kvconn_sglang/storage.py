@@ -67,6 +67,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvconn.backend import Backend
 from kvconn.connector import Connector
+from kvconn.cpus import connecting_on
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT
@@ -179,14 +180,15 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if self.group is not None:  # the rounds own the group: no collectives at saves
             config = dataclasses.replace(config, verify_replicas_every=0)
         self.close()
-        self.connector = Connector(
-            config,
-            layout,
-            rank=self.storage_config.tp_rank,
-            pools=[shape.kv_buffer, *(pool.kv_buffer for pool in side_pools)],
-            backend=backend,
-            group=self.group,
-        )
+        with connecting_on(config.transfer_cpus):  # a CPU list: the client's threads too
+            self.connector = Connector(
+                config,
+                layout,
+                rank=self.storage_config.tp_rank,
+                pools=[shape.kv_buffer, *(pool.kv_buffer for pool in side_pools)],
+                backend=backend,
+                group=self.group,
+            )
         self.transfers = TransferService(self.connector)
         if self.group is not None:
             self.rounds = LoadRounds(self.connector)

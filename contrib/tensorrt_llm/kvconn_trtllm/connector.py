@@ -55,6 +55,7 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (
 
 from kvconn.calls import BackendCalls
 from kvconn.connector import Connector
+from kvconn.cpus import connecting_on
 from kvconn.errors import ConfigError, KvconnError
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.layout import KvLayout
@@ -171,9 +172,11 @@ class KvconnWorker(KvCacheConnectorWorker):
         group = None
         if self.settings.stripe_reads and self.tp_size > 1:
             group = tp_group(self.rank, self.tp_size, _gather)
-        self.connector = Connector(
-            self.settings.connector, layout, rank=self.rank, pools=[kv_cache_tensor], group=group
-        )
+        config = self.settings.connector
+        with connecting_on(config.transfer_cpus):  # a CPU list: the client's threads too
+            self.connector = Connector(
+                config, layout, rank=self.rank, pools=[kv_cache_tensor], group=group
+            )
         self.transfers = TransferService(self.connector)
         if self.rank == 0:
             _published = (layout.to_dict(), self.connector.calls)

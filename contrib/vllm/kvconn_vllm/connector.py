@@ -54,7 +54,7 @@ from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
-from kvconn.cpus import AUTO
+from kvconn.cpus import AUTO, connecting_on
 from kvconn.errors import ConfigError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT, KvLayout
@@ -260,15 +260,18 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             shard_heads=self._config.shard_heads,
         )
         self._layout = layout
-        self._conn = Connector(
-            self._config,
-            layout,
-            rank=get_tensor_model_parallel_rank(),
-            pools=pools,
-            group=_tp_group(self._config),
-        )
         auto = self._config.transfer_cpus == AUTO  # else the setting decides, not vLLM
-        self._service = TransferService(self._conn, cpus=_transfer_cpus() if auto else None)
+        cpus = _transfer_cpus() if auto else None
+        # the backend client's own threads (Mooncake's) off the forward pass's core too
+        with connecting_on(self._config.transfer_cpus, cpus):
+            self._conn = Connector(
+                self._config,
+                layout,
+                rank=get_tensor_model_parallel_rank(),
+                pools=pools,
+                group=_tp_group(self._config),
+            )
+        self._service = TransferService(self._conn, cpus=cpus)
 
     def get_handshake_metadata(self) -> LayoutHandshake | None:
         return None if self._layout is None else LayoutHandshake(self._layout.to_dict())
