@@ -39,6 +39,10 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-mooncake  kvconn's adapter on Mooncake Store: the same master and storage
                 process as ``mooncake``, with the same settings (``MOONCAKE_CONFIG_PATH``),
                 and nothing kept in the engine's own memory
+  kvconn-mooncake-stepcore  the same (keys in a namespace of their own) with the client
+                connecting from the step's core, as before the adapter connected from
+                the transfer CPUs: Mooncake's I/O threads then share the forward
+                pass's core
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
   offloading    vLLM's OffloadingConnector, a 1 GiB CPU tier under its prefix cache
@@ -206,6 +210,12 @@ CONFIGS = {
         ),
         Config("kvconn-mooncake", "kvconn, Mooncake", "TimedKvconnConnector", persistent=True),
         Config(
+            "kvconn-mooncake-stepcore",
+            "kvconn, Mooncake, client on step's core",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
         # vLLM's offload tiers under its prefix cache, in the engine's own memory: tried
@@ -242,7 +252,7 @@ REDIS_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 #: The configurations served by the run's Mooncake master and storage process.
-MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake"})
+MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake", "kvconn-mooncake-stepcore"})
 
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
@@ -252,6 +262,7 @@ ON_REQUEST = (
     "kvconn-lmdb-thread",
     "kvconn-lmdb-bare",
     *REDIS_VARIANTS,
+    "kvconn-mooncake-stepcore",
 )
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
@@ -715,6 +726,8 @@ class Runner:
             extra = self.kvconn_extra("redis", options) | variant
         elif config == "kvconn-mooncake":  # settings from MOONCAKE_CONFIG_PATH (run())
             extra = self.kvconn_extra("mooncake", {})
+        elif config == "kvconn-mooncake-stepcore":  # the same store, keys of its own
+            extra = self.kvconn_extra("mooncake", {}) | {"namespace": "stepcore"}
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":
@@ -774,6 +787,8 @@ class Runner:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
         if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
+        if config == "kvconn-mooncake-stepcore":
+            env["BENCH_KVCONN_CONNECT_ON_STEP"] = "1"
         # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
         # directory by default) and leaves them there; each job's go with the job.
         sockets = tempfile.mkdtemp(prefix="kvconn-ipc-")

@@ -359,6 +359,20 @@ def _note_modules() -> None:
     record("modules", time.monotonic(), 0.0, role="?", files=files)
 
 
+def _connect_on_the_step_core() -> None:
+    """kvconn-mooncake-stepcore: the adapter connects from the thread that builds it (the
+    step's core, where the store client's own threads then run), as it did before it
+    connected from the transfer CPUs (``kvconn.cpus.connecting_on``)."""
+    try:
+        adapter: Any = importlib.import_module("kvconn_vllm.connector")
+    except ImportError:
+        return
+    if hasattr(adapter, "connecting_on"):
+        adapter.connecting_on = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+if os.environ.get("BENCH_KVCONN_CONNECT_ON_STEP"):
+    _connect_on_the_step_core()
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
     _name_transfer_threads()
