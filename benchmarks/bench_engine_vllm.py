@@ -79,7 +79,10 @@ Figures (``--figures``):
                --delay-ms to every call reaching the store (exists, put, get/read,
                borrow: the test backend ``lmdb-slow``); the hits are the prompt
                the ttft engines stored, or, without ttft, one more engine per trial
-               that stores it first
+               that stores it first. Beside no connector (alone, and with the hits
+               from vLLM's cache) and kvconn on LMDB with and without the delay, the
+               same over kvconn on Mooncake when kvconn-mooncake or
+               kvconn-mooncake-stepcore is named (--stall-variants picks)
   scheduler    time per get_num_new_matched_tokens call when the store never answers
                (a TCP server that accepts and stays silent, used as a Redis URL)
 
@@ -269,11 +272,21 @@ ON_REQUEST = (
 #: requests whose 2,048-token prefix comes from vLLM's cache (no connector; the same work
 #: with free loads), from kvconn on LMDB, or from kvconn on LMDB + delay.
 STALL_VARIANTS = ("none-alone", "prefix-same", "kvconn-lmdb", "kvconn-slow")
+#: Stall variants over Mooncake, run when their configuration is named in --configs.
+STALL_MOONCAKE = ("kvconn-mooncake", "kvconn-mooncake-stepcore")
 STALL_LABELS = {
     "none-alone": "no connector, decoding alone",
     "prefix-same": "no connector, others hit vLLM's cache",
     "kvconn-lmdb": "kvconn, LMDB",
     "kvconn-slow": "kvconn, LMDB + delay",
+    "kvconn-mooncake": "kvconn, Mooncake",
+    "kvconn-mooncake-stepcore": "kvconn, Mooncake, client on step's core",
+}
+#: The store configuration whose pages a stall variant's hits load.
+STALL_SEEDS = {
+    "kvconn-lmdb": "kvconn-lmdb",
+    "kvconn-slow": "kvconn-lmdb",
+    **{name: name for name in STALL_MOONCAKE},
 }
 
 
@@ -311,6 +324,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"configurations (all but {', '.join(ON_REQUEST)}, which run when named)",
     )
     parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES))
+    parser.add_argument(
+        "--stall-variants",
+        nargs="+",
+        choices=list(STALL_LABELS),
+        metavar="VARIANT",
+        help=f"the stall figure's variants (default: {', '.join(STALL_VARIANTS)}, when "
+        f"kvconn-lmdb is in --configs; and {', '.join(STALL_MOONCAKE)} when named there)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write every result as JSON")
     parser.add_argument(
         "--workdir",
@@ -336,6 +357,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--prefix-tokens must be a multiple of {BLOCK}, at most --prompt-tokens")
     if args.layers < 1:
         parser.error("--layers must be >= 1")
+    if args.stall_variants is None:
+        lmdb = list(STALL_VARIANTS) if "kvconn-lmdb" in args.configs else []
+        args.stall_variants = lmdb + [v for v in STALL_MOONCAKE if v in args.configs]
+    unserved = [v for v in args.stall_variants if v in STALL_MOONCAKE and v not in args.configs]
+    if unserved:
+        parser.error(f"stall variants {unserved} need their store: name them in --configs too")
     return args
 
 
@@ -1366,17 +1393,20 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                     rng.shuffle(order)
                     for name in order:
                         ttft_trial(runner, results, plan, CONFIGS[name], figures, failed)
-                if "stall" in figures and "kvconn-lmdb" in args.configs:
-                    if "ttft" not in figures or "kvconn-lmdb" in failed:
+                if "stall" in figures and args.stall_variants:
+                    variants = list(args.stall_variants)
+                    seeds = sorted({STALL_SEEDS[v] for v in variants if v in STALL_SEEDS})
+                    for seed in seeds:
+                        if "ttft" in figures and seed in args.configs and seed not in failed:
+                            continue
                         # the stall's hits load this trial's prompt, which the ttft
                         # engines store: without them, store it here, or whichever
                         # variant runs first would recompute its hits
-                        key = f"stall/tp{tp}/seed/t{trial}"
-                        run = runner.run(key, "kvconn-lmdb", tp, plan.seed_phases())
+                        key = f"stall/tp{tp}/seed-{seed}/t{trial}"
+                        run = runner.run(key, seed, tp, plan.seed_phases())
                         if run.error:
                             results.error(key, run.error)
-                            continue
-                    variants = list(STALL_VARIANTS)
+                            variants = [v for v in variants if STALL_SEEDS.get(v) != seed]
                     rng.shuffle(variants)
                     for variant in variants:
                         key = f"stall/tp{tp}/{variant}/t{trial}"
@@ -1753,7 +1783,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
             rows = []
             alone = m("stall", tp, "none-alone", "mean_itl")
             same = m("stall", tp, "prefix-same", "mean_itl")
-            for v in STALL_VARIANTS:
+            for v in STALL_LABELS:
                 itl = m("stall", tp, v, "mean_itl")
                 if itl is None:
                     continue
