@@ -82,7 +82,9 @@ Figures (``--figures``):
                that stores it first. Beside no connector (alone, and with the hits
                from vLLM's cache) and kvconn on LMDB with and without the delay, the
                same over kvconn on Mooncake when kvconn-mooncake or
-               kvconn-mooncake-stepcore is named (--stall-variants picks)
+               kvconn-mooncake-stepcore is named (--stall-variants picks); "hit
+               steps" counts the steps that gave the hits their first tokens (1:
+               their suffixes were prefilled together, in one longer step)
   scheduler    time per get_num_new_matched_tokens call when the store never answers
                (a TCP server that accepts and stays silent, used as a Redis URL)
 
@@ -477,6 +479,7 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
             waiting.remove(request)
 
     cpu: dict[str, Any] = {}
+    snapshots = bool(phase.get("cpu"))
     start = time.monotonic()
     submit_ready()
     while engine.has_unfinished_requests():
@@ -491,14 +494,14 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
                 req["finished"] = now
         submit_ready()
         if (
-            phase.get("cpu")
+            snapshots
             and "decode" not in cpu
             and not waiting
             and all(r["tokens"] for r in state.values())
         ):
             cpu["decode"] = cpu_snapshot(store_pids)
     end = time.monotonic()
-    if phase.get("cpu"):
+    if snapshots:
         cpu["end"] = cpu_snapshot(store_pids)
     if waiting:
         raise RuntimeError(f"phase {phase['name']}: requests never submitted: {waiting}")
@@ -1305,12 +1308,17 @@ def stall_figures(run: EngineRun) -> dict[str, float | None]:
     gaps = [b - a for a, b in itertools.pairwise(times) if begin < b <= end]
     if not gaps:
         return {}
+    # a step's outputs share one timestamp (run_phase), so distinct first-token times are
+    # distinct steps: 1 when the hits' suffixes were prefilled together, STALL_HITS when
+    # each had a step of its own (which the longest gap follows)
+    firsts = {r["tokens"][0] for r in others if r["tokens"]}
     return {
         "mean_itl": statistics.mean(gaps),
         "max_itl": max(gaps),
         "tokens_in_window": len(gaps),
         "window_s": end - begin,
         "others_cached": statistics.mean(r["cached"] or 0 for r in others) if others else None,
+        "hit_steps": len(firsts) if firsts else None,
     }
 
 
@@ -1779,43 +1787,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         " the bytes move in its background load: load work/memcpy)"
                     )
     if "stall" in args.figures:
-        for tp in args.tp:
-            rows = []
-            alone = m("stall", tp, "none-alone", "mean_itl")
-            same = m("stall", tp, "prefix-same", "mean_itl")
-            for v in STALL_LABELS:
-                itl = m("stall", tp, v, "mean_itl")
-                if itl is None:
-                    continue
-                rows.append(
-                    [
-                        STALL_LABELS[v],
-                        fmt(itl, 1000, 1),
-                        fmt(m("stall", tp, v, "max_itl"), 1000, 1),
-                        fmt(m("stall", tp, v, "window_s"), digits=1),
-                        fmt(m("stall", tp, v, "others_cached"), digits=0),
-                        ratio(itl, alone),
-                        ratio(itl, same),
-                    ]
-                )
-            if rows:
-                out.append(
-                    f"Stall, TP={tp}: a request decoding while {STALL_HITS} others load"
-                    f" {args.prompt_tokens}-token hits and save new blocks; store delay"
-                    f" {args.delay_ms:.0f} ms per call (target <= 1.1):\n"
-                    + table(
-                        [
-                            "variant",
-                            "mean ITL ms",
-                            "max ITL ms",
-                            "window s",
-                            "others cached",
-                            "/ alone",
-                            "/ same work",
-                        ],
-                        rows,
-                    )
-                )
+        out.extend(filter(None, (stall_report(args, results, tp) for tp in args.tp)))
     if "scheduler" in args.figures and "scheduler/tp1/kvconn-silent" in results.samples:
         row = [
             fmt(m("scheduler", 1, "kvconn-silent", "lookup_median"), 1000, 1),
@@ -1835,6 +1807,52 @@ def report(args: argparse.Namespace, results: Results) -> str:
             first_line = e["error"].splitlines()[0] if e["error"] else ""
             out.append(f"  {e['engine']}: {first_line}")
     return "\n\n".join(out)
+
+
+def stall_report(args: argparse.Namespace, results: Results, tp: int) -> str | None:
+    """The stall figure's table at one TP size; None when no variant ran there."""
+    m = results.median
+    alone = m("stall", tp, "none-alone", "mean_itl")
+    same = m("stall", tp, "prefix-same", "mean_itl")
+    rows = []
+    for v in STALL_LABELS:
+        itl = m("stall", tp, v, "mean_itl")
+        if itl is None:
+            continue
+        rows.append(
+            [
+                STALL_LABELS[v],
+                fmt(itl, 1000, 1),
+                fmt(m("stall", tp, v, "max_itl"), 1000, 1),
+                fmt(m("stall", tp, v, "window_s"), digits=1),
+                fmt(m("stall", tp, v, "others_cached"), digits=0),
+                fmt(m("stall", tp, v, "hit_steps"), digits=1),
+                ratio(itl, alone),
+                ratio(itl, same),
+            ]
+        )
+    if not rows:
+        return None
+    delayed = m("stall", tp, "kvconn-slow", "mean_itl") is not None
+    delay = f"; {STALL_LABELS['kvconn-slow']}: {args.delay_ms:.0f} ms per call" if delayed else ""
+    return (
+        f"Stall, TP={tp}: a request decoding while {STALL_HITS} others load"
+        f" {args.prompt_tokens}-token hits and save new blocks{delay} (target <= 1.1;"
+        " hit steps: the steps that gave the hits their first tokens):\n"
+        + table(
+            [
+                "variant",
+                "mean ITL ms",
+                "max ITL ms",
+                "window s",
+                "others cached",
+                "hit steps",
+                "/ alone",
+                "/ same work",
+            ],
+            rows,
+        )
+    )
 
 
 def loadavg() -> str:

@@ -130,18 +130,3 @@ def test_only_the_phase_the_tpot_figure_reads_asks_for_cpu_snapshots() -> None:
     assert asking == [("first", "store")]
     without = Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], {"ttft"})
     assert not any(p.get("cpu") for _, phases in without for p in phases)
-
-
-def test_stall_variants_over_mooncake_run_only_with_their_store() -> None:
-    args = parse_args(["--configs", "none", "kvconn-lmdb", "kvconn-mooncake-stepcore"])
-    assert args.stall_variants == [
-        "none-alone",
-        "prefix-same",
-        "kvconn-lmdb",
-        "kvconn-slow",
-        "kvconn-mooncake-stepcore",
-    ]
-    picked = ["--configs", "kvconn-mooncake", "--stall-variants", "none-alone", "kvconn-mooncake"]
-    assert parse_args(picked).stall_variants == ["none-alone", "kvconn-mooncake"]
-    with pytest.raises(SystemExit):
-        parse_args(["--configs", "none", "--stall-variants", "kvconn-mooncake"])
