@@ -33,6 +33,7 @@ from kvconn.backend import ReadStatus, tensor_bytes
 from kvconn.calls import BackendCalls, Unavailable
 from kvconn.gate import Gate
 from kvconn.group import TpGroup, Transfer
+from kvconn.lograte import LogInterval
 from kvconn.movement import HostPage, PageMover, scatter_host_pages
 from kvconn.plan import PagePlan, RankShare, share_key
 from kvconn.repair import PageRepair
@@ -73,7 +74,7 @@ class StripedLoad:
         self.repair = repair
         self.stats = stats
         self._sync = sync  # waits for device copies (CUDA pools)
-        self._warned_mismatch = False
+        self._mismatch_log = LogInterval()  # a group out of step: one warning an interval
 
     def chunk(
         self,
@@ -242,13 +243,13 @@ class StripedLoad:
 
     def _mismatch(self, n: int) -> None:
         self.stats.bump("group_mismatches")
-        if not self._warned_mismatch:
-            self._warned_mismatch = True
+        if self._mismatch_log.due():
             log.warning(
                 "kvconn: the ranks of the TP group were not loading the same blocks; the "
-                "load of %d blocks fails on every rank. A striped load needs every rank to "
-                "submit the same loads in the same order.",
+                "load of %d blocks fails on every rank (mismatched loads so far: %d). A striped "
+                "load needs every rank to submit the same loads in the same order.",
                 n,
+                self.stats.group_mismatches,
             )
 
 

@@ -8,6 +8,7 @@ the group is still usable for the next load.
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from typing import Any
@@ -54,19 +55,35 @@ def _run(target: Any, tmp_path: Any, *extra: Any) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ different blocks
+class _Warnings(logging.Handler):
+    """The warnings a rank process logs, as messages."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _different_blocks(rank: int, path: str, rendezvous: str, results: Any) -> None:
     try:
         r = _Rank(rank, path, rendezvous)
+        warnings = _Warnings()
+        logging.getLogger("kvconn").addHandler(warnings)
         mine = A if rank == 0 else B
         wrong = r.conn.load(mine, LOAD_SLOTS)
         untouched = r.untouched()
         right = r.conn.load(A, LOAD_SLOTS)
+        again = r.conn.load(mine, LOAD_SLOTS)  # out of step once more, within the interval
         payload = {
             "wrong": (wrong.loaded, wrong.failed),
             "untouched": untouched,
             "right": right.loaded,
             "verified": r.verified(A, LOAD_SLOTS),
+            "again": again.loaded,
             "mismatches": r.conn.stats.group_mismatches,
+            "warnings": [m for m in warnings.messages if "not loading the same" in m],
         }
         r.close()
         results.put((rank, payload))
@@ -79,9 +96,12 @@ def test_ranks_loading_different_blocks_fail_on_every_rank_and_exchange_nothing(
     for payload in out:
         assert payload["wrong"] == (0, (0, 1, 2, 3))
         assert payload["untouched"]  # no byte of another load's pages reached a slot
-        assert payload["mismatches"] == 1
         # the next load, the same on both ranks, loads in full: the group is in step
         assert payload["right"] == 4 and payload["verified"]
+        assert payload["again"] == 0 and payload["mismatches"] == 2
+        # one warning an interval, with the count (not one per load, nor once ever)
+        assert len(payload["warnings"]) == 1
+        assert "(mismatched loads so far: 1)" in payload["warnings"][0]
 
 
 # ------------------------------------------------------------------ the service

@@ -58,6 +58,7 @@ from kvconn.cpus import AUTO, connecting_on
 from kvconn.errors import ConfigError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT, KvLayout
+from kvconn.lograte import LogInterval
 from kvconn.lookup import DeadlineLookup, Lookup
 from kvconn.results import LoadResult
 from kvconn.transfer import LoadRequest, SaveRequest, TransferService
@@ -235,7 +236,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._shares_loads = bool(vllm_config.cache_config.enable_prefix_caching)
         self._incoming: dict[bytes, str] = {}
         self._brings: dict[str, list[bytes]] = {}
-        self._warned_no_layout = False
+        self._no_layout_misses = 0  # lookups answered as misses before the layout came
+        self._no_layout_log = LogInterval()
         # worker side
         self._conn: Connector | None = None
         self._service: TransferService | None = None
@@ -448,9 +450,14 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 if answer is None:
                     return None, False  # the store has not answered within lookup_wait_s
                 hit = min(answer.blocks, usable - done)
-            elif not self._warned_no_layout:
-                log.warning("kvconn: no layout from the workers yet; serving without it")
-                self._warned_no_layout = True
+            else:
+                self._no_layout_misses += 1
+                if self._no_layout_log.due():
+                    log.warning(
+                        "kvconn: no layout from the workers yet; lookups are answered as "
+                        "misses (%d so far)",
+                        self._no_layout_misses,
+                    )
         self._hits[request.request_id] = (done, hit)
         return hit * self._block_size, hit > 0
 

@@ -7,6 +7,7 @@ layer), ``get_kv_cache_configs`` groups them as the engine core does, and
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +38,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvconn.errors import ConfigError
 from kvconn.layout import KvLayout
+from kvconn.lograte import LogInterval
 from kvconn.plan import plan_pages
 from kvconn_vllm.connector import KvconnConnector
 from kvconn_vllm.layout import kv_layout
@@ -243,3 +245,27 @@ def test_kv_cache_groups_with_another_block_size_are_refused(
 
 def test_the_connector_declares_support_for_vllms_hybrid_kv_cache_manager() -> None:
     assert supports_hma(KvconnConnector)
+
+
+def test_lookups_before_the_workers_layout_are_misses_and_the_warning_counts_them(
+    tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until a worker describes the KV layout, the scheduler cannot plan a lookup: it
+    answers misses, and says so once an interval with the running count, not once ever."""
+    config = engine_config(tiny_model("llama-2kv"))
+    config.cache_config.block_size = 32
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    conn = connector(config, [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)])
+    requests = [
+        SimpleNamespace(
+            request_id=f"r{i}", num_tokens=130, block_hashes=[bytes([i, b]) * 16 for b in range(4)]
+        )
+        for i in range(4)
+    ]
+    with caplog.at_level(logging.WARNING, logger="kvconn.vllm"):
+        answers = [conn.get_num_new_matched_tokens(r, 0) for r in requests[:3]]
+        conn._no_layout_log = LogInterval(0.0)  # the next interval has begun
+        answers.append(conn.get_num_new_matched_tokens(requests[3], 0))
+    assert answers == [(0, False)] * 4
+    warnings = [r.getMessage() for r in caplog.records if "no layout" in r.getMessage()]
+    assert [w.rsplit("(", 1)[1] for w in warnings] == ["1 so far)", "4 so far)"]
