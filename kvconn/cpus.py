@@ -124,6 +124,10 @@ def connecting_on(setting: str, suggested: Collection[int] | None = None) -> Ite
     here, they run where kvconn's transfer threads run (:func:`placement` of ``setting``
     and ``suggested``, as :class:`kvconn.transfer.TransferService` takes them). No
     placement, or a set the system refuses (logged): the body runs where it is.
+
+    Memory the client first touches while connecting (Mooncake's segment) lands on
+    those CPUs' NUMA node by the kernel's first-touch rule: the reason a hand-written
+    CPU list should name the rank's own node.
     """
     cpus = placement(setting, suggested, os.cpu_count())
     before: set[int] | None = None
