@@ -48,7 +48,7 @@ from typing import Any
 
 from kvconn.backend import Backend
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 from kvconn.tools.devserver.redis import RedisServer
 
 MiB = 2**20
@@ -198,7 +198,7 @@ def redis_store(args: argparse.Namespace) -> Iterator[tuple[Backend, list[Any], 
 
 @contextlib.contextmanager
 def mooncake_store(args: argparse.Namespace) -> Iterator[tuple[Backend, list[Any], str]]:
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep transfers on loopback
+    keep_transfers_on_loopback()
     size = args.mooncake_value_kib * 1024
     span = size * args.batch
     with MooncakeCluster(storage_processes=1, segment_size=max(64 * MiB, 4 * span)) as cluster:

@@ -663,9 +663,12 @@ def start_stores(root: Path, configs: Iterable[str], figures: Iterable[str]) -> 
                 stores.redis_error = f"{type(exc).__name__}: {exc}"
         if configs & MOONCAKE_CONFIGS:
             try:
-                from kvconn.tools.devserver.mooncake import MooncakeCluster
+                from kvconn.tools.devserver.mooncake import (
+                    MooncakeCluster,
+                    keep_transfers_on_loopback,
+                )
 
-                os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+                keep_transfers_on_loopback()
                 cluster = stack.enter_context(
                     MooncakeCluster(storage_processes=1, segment_size="2GiB")
                 )

@@ -40,7 +40,7 @@ from kvconn.integrity import NONE, XXH3_64, PageChecksum
 from kvconn.movement import PageMover
 from kvconn.plan import plan_pages, share_key
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 from kvconn.tools.devserver.redis import RedisServer
 from kvconn.tools.models import RoleSpec, interleaved_layout
 
@@ -112,7 +112,7 @@ def open_backend(name: str, span: int) -> Iterator[Backend]:
             finally:
                 backend.close()
     else:
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # transfers on loopback
+        keep_transfers_on_loopback()
         with MooncakeCluster(storage_processes=1, segment_size=max(64 * MiB, 8 * span)) as mc:
             backend = load_backend("mooncake", {**mc.options, "read_env": False})
             try:

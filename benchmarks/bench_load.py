@@ -63,7 +63,7 @@ import torch
 from benchmarks.bench_movement import interleaved_medians
 from kvconn import Connector
 from kvconn.layout import KvLayout, LayerGroup, Region, Role
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 from kvconn.tools.devserver.redis import RedisServer
 
 LAYERS = 24
@@ -190,7 +190,7 @@ def main() -> None:
             server = stack.enter_context(RedisServer())
             backend = ("redis", dict(server.options))
         elif args.backend == "mooncake":
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # transfers on loopback
+            keep_transfers_on_loopback()
             # room for the saved pages with plenty to spare (Mooncake evicts when full)
             segment = max(256 << 20, 4 * nbytes)
             cluster = stack.enter_context(

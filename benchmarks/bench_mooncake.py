@@ -43,7 +43,7 @@ from typing import Any
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 
 MiB = 2**20
 
@@ -90,7 +90,7 @@ def interleaved(variants: Variants, calls: int, samples: dict[str, list[float]])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep transfers on loopback
+    keep_transfers_on_loopback()
     problem = MooncakeCluster.available()
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)

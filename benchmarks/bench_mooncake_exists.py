@@ -33,7 +33,7 @@ from typing import Any
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep transfers on loopback
+    keep_transfers_on_loopback()
     problem = MooncakeCluster.available()
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)

@@ -42,7 +42,7 @@ import numpy as np
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 
 MiB = 2**20
 TRAILER = 8
@@ -218,7 +218,7 @@ def pool(args: argparse.Namespace, raw: Any) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # keep transfers on loopback
+    keep_transfers_on_loopback()
     problem = MooncakeCluster.available()
     if problem:
         print(f"cannot run: {problem}", file=sys.stderr)

@@ -55,7 +55,7 @@ from kvconn.lookup import PageKeys
 from kvconn.rounds import LoadRounds
 from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import compute_block, gloo_group, verify_block
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 from kvconn.tools.devserver.redis import RedisServer
 from kvconn.tools.models import get_preset
 
@@ -215,7 +215,7 @@ def store(name: str, opts: dict[str, Any]) -> Iterator[dict[str, Any]]:
         with RedisServer() as server:
             yield dict(server.options)
     else:
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")  # transfers on loopback
+        keep_transfers_on_loopback()
         with MooncakeCluster(storage_processes=1, segment_size=512 * MiB) as cluster:
             yield {**cluster.options, "read_env": False}
 

@@ -19,7 +19,7 @@ from kvconn.registry import load_backend
 from kvconn.testing.suite import require_or_skip
 from kvconn.tools.cli import main
 from kvconn.tools.devserver._process import HttpChild, TcpChild
-from kvconn.tools.devserver.mooncake import MooncakeCluster
+from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
 from kvconn.tools.devserver.redis import RedisServer
 
 pytestmark = pytest.mark.server
@@ -410,3 +410,15 @@ def test_kvconn_dev_server_stops_promptly_on_a_signal_in_every_phase_under_load(
     # Ctrl-C while Python itself starts is Python's own: a KeyboardInterrupt exit
     assert code in ((0, 130, 1, -signal.SIGINT) if phase == "starting" else (0,)), code
     assert not [pid for pid in _pids_started(tmp_path) if _running(pid)]
+
+
+def test_clients_made_here_transfer_over_loopback_unless_the_caller_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "unset below")  # restored to absent afterwards
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS")
+    keep_transfers_on_loopback()
+    assert os.environ["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "10.0.0.7")
+    keep_transfers_on_loopback()
+    assert os.environ["MC_TCP_BIND_ADDRESS"] == "10.0.0.7"

@@ -42,7 +42,7 @@ from typing import Any
 from kvconn.tools.devserver import MIN_SEGMENT_SIZE, _process, byte_size
 from kvconn.tools.devserver._ports import free_port
 
-__all__ = ["MooncakeCluster"]
+__all__ = ["MooncakeCluster", "keep_transfers_on_loopback"]
 
 HOST = "127.0.0.1"
 DEFAULT_SEGMENT_SIZE = 256 * 2**20
@@ -63,6 +63,18 @@ _HTTP_TIMEOUT_S = 2.0
 _FLAG_ERROR = re.compile(r"^ERROR: (.*)", re.MULTILINE)
 _METRIC_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}\n]*\})?[ \t]+(\S+)[ \t]*$", re.MULTILINE)
 _SEGMENT_LABEL = re.compile(r'segment="([^"]*)"')
+
+
+def keep_transfers_on_loopback(host: str = HOST) -> None:
+    """Make the Mooncake clients this process creates from now on transfer over ``host``.
+
+    The transfer engine reads ``MC_TCP_BIND_ADDRESS`` as a client is made; without it a
+    client advertises the first non-loopback interface, and its transfers with a cluster
+    on loopback leave loopback. The storage processes :class:`MooncakeCluster` starts get
+    it in their own environment; this is for clients made in the caller's process (a
+    benchmark's). A value already set is the caller's choice and stays.
+    """
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
 
 
 def _find_binary(name: str) -> Path | None:
