@@ -39,10 +39,10 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-mooncake  kvconn's adapter on Mooncake Store: the same master and storage
                 process as ``mooncake``, with the same settings (``MOONCAKE_CONFIG_PATH``),
                 and nothing kept in the engine's own memory
-  kvconn-mooncake-stepcore  the same (keys in a namespace of their own) with the client
-                connecting from the step's core, as before the adapter connected from
-                the transfer CPUs: Mooncake's I/O threads then share the forward
-                pass's core
+  kvconn-mooncake-keptcore  the same (keys in a namespace of their own) with the client
+                connecting from the core vLLM keeps for KV transfers, where kvconn's
+                transfer threads run: Mooncake's I/O threads then share that core
+                (the adapter's default from 2026-12-05 to 2026-12-06)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
   offloading    vLLM's OffloadingConnector, a 1 GiB CPU tier under its prefix cache
@@ -82,7 +82,7 @@ Figures (``--figures``):
                that stores it first. Beside no connector (alone, and with the hits
                from vLLM's cache) and kvconn on LMDB with and without the delay, the
                same over kvconn on Mooncake when kvconn-mooncake or
-               kvconn-mooncake-stepcore is named (--stall-variants picks); "hit
+               kvconn-mooncake-keptcore is named (--stall-variants picks); "hit
                steps" counts the steps that gave the hits their first tokens (1:
                their suffixes were prefilled together, in one longer step)
   scheduler    time per get_num_new_matched_tokens call when the store never answers
@@ -215,8 +215,8 @@ CONFIGS = {
         ),
         Config("kvconn-mooncake", "kvconn, Mooncake", "TimedKvconnConnector", persistent=True),
         Config(
-            "kvconn-mooncake-stepcore",
-            "kvconn, Mooncake, client on step's core",
+            "kvconn-mooncake-keptcore",
+            "kvconn, Mooncake, client on kept core",
             "TimedKvconnConnector",
             persistent=True,
         ),
@@ -257,7 +257,7 @@ REDIS_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 #: The configurations served by the run's Mooncake master and storage process.
-MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake", "kvconn-mooncake-stepcore"})
+MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake", "kvconn-mooncake-keptcore"})
 
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
@@ -267,7 +267,7 @@ ON_REQUEST = (
     "kvconn-lmdb-thread",
     "kvconn-lmdb-bare",
     *REDIS_VARIANTS,
-    "kvconn-mooncake-stepcore",
+    "kvconn-mooncake-keptcore",
 )
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
@@ -275,14 +275,14 @@ ON_REQUEST = (
 #: with free loads), from kvconn on LMDB, or from kvconn on LMDB + delay.
 STALL_VARIANTS = ("none-alone", "prefix-same", "kvconn-lmdb", "kvconn-slow")
 #: Stall variants over Mooncake, run when their configuration is named in --configs.
-STALL_MOONCAKE = ("kvconn-mooncake", "kvconn-mooncake-stepcore")
+STALL_MOONCAKE = ("kvconn-mooncake", "kvconn-mooncake-keptcore")
 STALL_LABELS = {
     "none-alone": "no connector, decoding alone",
     "prefix-same": "no connector, others hit vLLM's cache",
     "kvconn-lmdb": "kvconn, LMDB",
     "kvconn-slow": "kvconn, LMDB + delay",
     "kvconn-mooncake": "kvconn, Mooncake",
-    "kvconn-mooncake-stepcore": "kvconn, Mooncake, client on step's core",
+    "kvconn-mooncake-keptcore": "kvconn, Mooncake, client on kept core",
 }
 #: The store configuration whose pages a stall variant's hits load.
 STALL_SEEDS = {
@@ -759,8 +759,8 @@ class Runner:
             extra = self.kvconn_extra("redis", options) | variant
         elif config == "kvconn-mooncake":  # settings from MOONCAKE_CONFIG_PATH (run())
             extra = self.kvconn_extra("mooncake", {})
-        elif config == "kvconn-mooncake-stepcore":  # the same store, keys of its own
-            extra = self.kvconn_extra("mooncake", {}) | {"namespace": "stepcore"}
+        elif config == "kvconn-mooncake-keptcore":  # the same store, keys of its own
+            extra = self.kvconn_extra("mooncake", {}) | {"namespace": "keptcore"}
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":
@@ -820,8 +820,8 @@ class Runner:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
         if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
-        if config == "kvconn-mooncake-stepcore":
-            env["BENCH_KVCONN_CONNECT_ON_STEP"] = "1"
+        if config == "kvconn-mooncake-keptcore":
+            env["BENCH_KVCONN_CONNECT_ON_KEPT"] = "1"
         # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
         # directory by default) and leaves them there; each job's go with the job.
         sockets = tempfile.mkdtemp(prefix="kvconn-ipc-")

@@ -37,13 +37,13 @@ def stall_run(hit_firsts: list[float]) -> EngineRun:
 
 
 def test_stall_variants_over_mooncake_run_only_with_their_store() -> None:
-    args = parse_args(["--configs", "none", "kvconn-lmdb", "kvconn-mooncake-stepcore"])
+    args = parse_args(["--configs", "none", "kvconn-lmdb", "kvconn-mooncake-keptcore"])
     assert args.stall_variants == [
         "none-alone",
         "prefix-same",
         "kvconn-lmdb",
         "kvconn-slow",
-        "kvconn-mooncake-stepcore",
+        "kvconn-mooncake-keptcore",
     ]
     picked = ["--configs", "kvconn-mooncake", "--stall-variants", "none-alone", "kvconn-mooncake"]
     assert parse_args(picked).stall_variants == ["none-alone", "kvconn-mooncake"]

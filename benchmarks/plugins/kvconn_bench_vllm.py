@@ -359,20 +359,27 @@ def _note_modules() -> None:
     record("modules", time.monotonic(), 0.0, role="?", files=files)
 
 
-def _connect_on_the_step_core() -> None:
-    """kvconn-mooncake-stepcore: the adapter connects from the thread that builds it (the
-    step's core, where the store client's own threads then run), as it did before it
-    connected from the transfer CPUs (``kvconn.cpus.connecting_on``)."""
+def _connect_on_the_kept_core() -> None:
+    """kvconn-mooncake-keptcore: the adapter connects from the core vLLM keeps for KV
+    transfers, where kvconn's transfer threads run (``transfer_cpus = "auto"``), so the
+    store client's own threads start there too, as the adapter did from 2026-12-05 to
+    2026-12-06; it now connects from the thread that builds it unless given a CPU list."""
     try:
         adapter: Any = importlib.import_module("kvconn_vllm.connector")
     except ImportError:
         return
-    if hasattr(adapter, "connecting_on"):
-        adapter.connecting_on = lambda *args, **kwargs: contextlib.nullcontext()
+    connecting_on = adapter.connecting_on
+
+    def on_the_kept_core(setting: str, suggested: Any = None) -> Any:
+        if setting == "auto" and suggested is None:
+            suggested = adapter._transfer_cpus()
+        return connecting_on(setting, suggested)
+
+    adapter.connecting_on = on_the_kept_core
 
 
-if os.environ.get("BENCH_KVCONN_CONNECT_ON_STEP"):
-    _connect_on_the_step_core()
+if os.environ.get("BENCH_KVCONN_CONNECT_ON_KEPT"):
+    _connect_on_the_kept_core()
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
     _name_transfer_threads()
