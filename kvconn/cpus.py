@@ -125,6 +125,10 @@ def connecting_on(setting: str, suggested: Collection[int] | None = None) -> Ite
     and ``suggested``, as :class:`kvconn.transfer.TransferService` takes them). No
     placement, or a set the system refuses (logged): the body runs where it is.
 
+    The adapters open it with the setting alone, so only a CPU list the user names moves
+    the client: on the one core vLLM keeps, Mooncake's I/O threads beside kvconn's
+    transfer threads made its loads slower (``docs/performance.md``, 2026-12-06).
+
     Memory the client first touches while connecting (Mooncake's segment) lands on
     those CPUs' NUMA node by the kernel's first-touch rule: the reason a hand-written
     CPU list should name the rank's own node.

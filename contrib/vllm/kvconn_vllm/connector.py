@@ -266,7 +266,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         cpus = _transfer_cpus() if auto else None
         # The backend client's own threads (Mooncake's) go with a CPU list the user names,
         # not to the one core vLLM keeps: sharing it with kvconn's transfer threads, they
-        # made Mooncake's loads 1.3-3x slower (docs/performance.md, 2026-12-06)
+        # made Mooncake's loads 1.2-3x slower (docs/performance.md, 2026-12-06)
         with connecting_on(self._config.transfer_cpus):
             self._conn = Connector(
                 self._config,
