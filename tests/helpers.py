@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,21 @@ from kvconn.plan import WriterPolicy
 from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import compute_block, gloo_group, verify_block
 from kvconn.tools.models import get_preset
+
+
+class KvconnRecords(logging.Handler):
+    """The kvconn log records of this process (a rank's), warnings and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        logging.getLogger("kvconn").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at(self, level: int) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
 
 
 def fill_pool(layout: KvLayout, rank: int, pools: list[torch.Tensor], salt: int = 0) -> None:

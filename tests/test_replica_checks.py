@@ -28,7 +28,7 @@ from kvconn.testing.tpgroup import expected_bytes, gloo_group
 from kvconn.tools.models import get_preset
 from kvconn.transfer import TransferService
 from tests.fakes import DictBackend
-from tests.helpers import run_over_store
+from tests.helpers import KvconnRecords, run_over_store
 
 pytestmark = pytest.mark.slow
 
@@ -73,21 +73,6 @@ def _wrong(layout, rank, odd, pools, hashes, slots) -> int:
 
 
 # ------------------------------------------------------------------ one rank
-class _Records(logging.Handler):
-    """The kvconn log records of this rank, warnings and above."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-        logging.getLogger("kvconn").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def at(self, level: int) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
 class _Rank:
     def __init__(
         self,
@@ -103,7 +88,7 @@ class _Rank:
         self.layout = layout
         self.path = path
         self.odd = tuple(odd)
-        self.log = _Records()
+        self.log = KvconnRecords()
         self.group = gloo_group(rank, layout.tp_size, rendezvous)
         self.coord = dist.new_group(list(range(layout.tp_size)))  # the test's own barrier
         self.pools = [torch.zeros(n, dtype=torch.uint8) for n in layout.pool_sizes]

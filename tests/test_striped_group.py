@@ -24,7 +24,7 @@ from kvconn.testing.ranks import run_ranks
 from kvconn.testing.tpgroup import gloo_group
 from kvconn.tools.models import get_preset
 from kvconn.transfer import TransferService
-from tests.helpers import StripedRank, run_over_store
+from tests.helpers import KvconnRecords, StripedRank, run_over_store
 
 pytestmark = pytest.mark.slow
 
@@ -55,22 +55,10 @@ def _run(target: Any, tmp_path: Any, *extra: Any) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------ different blocks
-class _Warnings(logging.Handler):
-    """The warnings a rank process logs, as messages."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _different_blocks(rank: int, path: str, rendezvous: str, results: Any) -> None:
     try:
         r = _Rank(rank, path, rendezvous)
-        warnings = _Warnings()
-        logging.getLogger("kvconn").addHandler(warnings)
+        log = KvconnRecords()
         mine = A if rank == 0 else B
         wrong = r.conn.load(mine, LOAD_SLOTS)
         untouched = r.untouched()
@@ -83,7 +71,7 @@ def _different_blocks(rank: int, path: str, rendezvous: str, results: Any) -> No
             "verified": r.verified(A, LOAD_SLOTS),
             "again": again.loaded,
             "mismatches": r.conn.stats.group_mismatches,
-            "warnings": [m for m in warnings.messages if "not loading the same" in m],
+            "warnings": [m for m in log.at(logging.WARNING) if "not loading the same" in m],
         }
         r.close()
         results.put((rank, payload))
