@@ -1233,6 +1233,10 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"load_faults_{name}"] = window_sum(
             fresh, begin, end, ("load_work",), field="minor_faults"
         )
+        # where a load's time went (in the JSON): the checksum and scatter passes of a
+        # lent load, wall and CPU
+        for part in LOAD_PARTS:
+            out[f"load_{part}_{name}"] = window_sum(fresh, begin, end, ("load_work",), field=part)
         out[f"cached_{name}"] = phase["requests"]["p"]["cached"]
         # vLLM asks every connector for each layer's KV as the forward pass reaches it:
         # the first ask is where the model starts, so submit to there is the hit's part
@@ -1248,6 +1252,10 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out["memcpy_hot"] = max((r["hot"] for r in memcpy if "hot" in r), default=None)
         out["memcpy_bytes"] = memcpy[0]["bytes"]
     return out
+
+
+#: Fields of a ``load_work`` record that split its time (the plugin's ``_load_into``).
+LOAD_PARTS = ("checksum_s", "checksum_cpu", "scatter_s", "scatter_cpu")
 
 
 def concurrency_figures(run: EngineRun, layers: int) -> dict[str, float | None]:

@@ -319,11 +319,13 @@ def _time_load_work() -> None:
     @functools.wraps(load_into)
     def _load_into(self: Any, hashes: Any, *args: Any, **kwargs: Any) -> Any:
         start, cpu = time.monotonic(), time.thread_time()
-        faults = _thread_faults()
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        _passes.times = {name: [0.0, 0.0] for name in _PASSES}
         try:
             return load_into(self, hashes, *args, **kwargs)
         finally:
-            minor, major = _thread_faults()
+            after = resource.getrusage(resource.RUSAGE_THREAD)
+            passes, _passes.times = _passes.times, None
             record(
                 "load_work",
                 start,
@@ -331,20 +333,53 @@ def _time_load_work() -> None:
                 role="worker",
                 blocks=len(hashes),
                 cpu=time.thread_time() - cpu,
-                minor_faults=minor - faults[0],
-                major_faults=major - faults[1],
+                minor_faults=after.ru_minflt - before.ru_minflt,
+                major_faults=after.ru_majflt - before.ru_majflt,
+                **{f"{name}_s": wall for name, (wall, _) in passes.items()},
+                **{f"{name}_cpu": used for name, (_, used) in passes.items()},
             )
 
     _load_into._kvconn_bench = True  # type: ignore[attr-defined]
     cls.load_into = _load_into
+    _time_load_passes()
 
 
-def _thread_faults() -> tuple[int, int]:
-    """This thread's page faults so far (minor, major): a load that maps its source
-    or destination for the first time pays for it in CPU time, and this tells that
-    apart from copies."""
-    usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return usage.ru_minflt, usage.ru_majflt
+#: The passes of a lent load (``kvconn.lent_load``) timed apart inside ``load_work``,
+#: wall and CPU: with the faults, they say where a load that took longer than another
+#: of the same bytes (a fresh engine's first against a repeat) lost the time.
+_PASSES = ("checksum", "scatter")
+_passes = threading.local()
+
+
+def _time_load_passes() -> None:
+    """Sum each pass's wall and CPU time into the load running on this thread."""
+    try:
+        lent: Any = importlib.import_module("kvconn.lent_load")
+        integrity: Any = importlib.import_module("kvconn.integrity")
+    except ImportError:
+        return
+
+    def timed(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            times = getattr(_passes, "times", None)
+            if times is None:
+                return call(*args, **kwargs)
+            start, cpu = time.monotonic(), time.thread_time()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                times[name][0] += time.monotonic() - start
+                times[name][1] += time.thread_time() - cpu
+
+        wrapper._kvconn_bench = True  # type: ignore[attr-defined]
+        return wrapper
+
+    if not getattr(lent.scatter_host_pages, "_kvconn_bench", False):
+        lent.scatter_host_pages = timed("scatter", lent.scatter_host_pages)
+    verify = integrity.PageChecksum.verify
+    if not getattr(verify, "_kvconn_bench", False):
+        integrity.PageChecksum.verify = timed("checksum", verify)
 
 
 def _note_modules() -> None:

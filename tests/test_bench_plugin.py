@@ -1,0 +1,65 @@
+"""The vLLM benchmark's plugin, on kvconn's real load path: what a load's record says.
+
+The plugin (``benchmarks/plugins/kvconn_bench_vllm.py``) times each kvconn load inside the
+engine and splits its time into the lent load's checksum and scatter passes, wall and
+CPU. A split that missed a pass, or counted one outside a load,
+would point the search for a fresh engine's slow first load at the wrong place.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks.plugins import kvconn_bench_vllm as plugin
+from kvconn import lent_load
+from kvconn.config import ConnectorConfig
+from kvconn.connector import Connector
+from kvconn.integrity import PageChecksum
+from kvconn.movement import scatter_host_pages
+from kvconn.tools.models import get_preset
+
+from .helpers import fill_pool
+
+
+def records(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for f in directory.glob("*.jsonl") for line in f.open()]
+
+
+def test_a_load_records_its_passes_and_cpu_and_nothing_outside_a_load_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timings = tmp_path / "timings"
+    timings.mkdir()
+    monkeypatch.setenv("BENCH_KVCONN_TIMINGS", str(timings))
+    monkeypatch.setattr(plugin, "_fd", None)
+    # undone after the test: the plugin patches these where the engine's code finds them
+    monkeypatch.setattr(Connector, "load_into", Connector.load_into)
+    monkeypatch.setattr(lent_load, "scatter_host_pages", scatter_host_pages)
+    monkeypatch.setattr(PageChecksum, "verify", PageChecksum.verify)
+    plugin._time_load_work()
+    plugin._time_load_work()  # a second import of the plugin wraps nothing twice
+
+    layout = get_preset("llama-3.1-70b").layout(1, 4, 16, 32)
+    pools = [torch.zeros(size, dtype=torch.uint8) for size in layout.pool_sizes]
+    fill_pool(layout, 0, pools)
+    settings = {"model": "m", "backend": "lmdb", "options": {"path": str(tmp_path / "db")}}
+    conn = Connector(ConnectorConfig.from_dict(settings), layout, rank=0, pools=pools)
+    try:
+        hashes = [bytes([i]) * 16 for i in range(8)]
+        assert conn.save(hashes, list(range(8))).ok  # verifies nothing: no record
+        assert not records(timings)
+        assert conn.load(hashes, list(range(8, 16))).loaded == 8
+    finally:
+        conn.close()
+
+    (work,) = records(timings)
+    assert work["m"] == "load_work" and work["blocks"] == 8
+    for part in ("checksum", "scatter"):
+        assert 0 < work[f"{part}_s"] < work["dt"]
+        assert 0 <= work[f"{part}_cpu"] <= work["cpu"]
+    assert work["checksum_s"] + work["scatter_s"] <= work["dt"]
