@@ -134,14 +134,18 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
     )
 
 
-def wait_while_idle(handles: Sequence[Handle], wait_s: float) -> None:
+def wait_while_idle(handles: Sequence[Handle], wait_s: float, *, reported: bool = False) -> None:
     """An idle step's wait: until one of ``handles`` (this rank's loads, oldest first) is
     done, or ``wait_s`` has passed; the whole ``wait_s`` when the rank has none.
 
     At once if one is done already or ``wait_s`` is 0. Only the oldest is waited on: the
     load threads take loads in the order they were submitted, so it finishes first.
+    At once too on a rank with no load left that ``reported`` loads in the step before:
+    vLLM admits a request once every rank has reported its load, so a rank behind the
+    others reports it in this step, and a wait here would only hold that step (at TP=2
+    a fresh hit's load ended 3.3 ms before the step that admitted it; docs/performance.md).
     """
-    if wait_s <= 0 or any(h.done() for h in handles):
+    if wait_s <= 0 or any(h.done() for h in handles) or (reported and not handles):
         return
     if handles:
         handles[0].wait(wait_s)
@@ -245,6 +249,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._saving: dict[str, list[Handle]] = {}  # handed over, by request
         self._finishing: set[str] = set()  # finished requests waiting on their captures
         self._failed: set[int] = set()  # block ids whose load failed, to report
+        self._reported_loads = False  # the last get_transfer_results reported a load
         self._layout: KvLayout | None = None
 
     # ============================================================== worker side
@@ -338,13 +343,19 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         is done. A rank with no load of its own waits too: the step then waits on
         another rank's load, a lookup or a save, and its empty steps took the CPU that
         work needs (at TP=2 the rank done first spun at 93% of its core while the other
-        waited on a redis-server that got none; docs/performance.md).
+        waited on a redis-server that got none; docs/performance.md). Not in the step
+        right after it reported its loads: the ranks behind it report theirs in that
+        step, which would wait for this rank's sleep.
         """
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, KvconnMetadata) and meta.idle:
-            wait_while_idle([h for h, _ in self._loading.values()], self._config.idle_wait_s)
+            wait_while_idle(
+                [h for h, _ in self._loading.values()],
+                self._config.idle_wait_s,
+                reported=self._reported_loads,
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -384,6 +395,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self._failed.update(
                     slots[i] for slots in load.slots.values() for i in failed if slots[i] != NO_SLOT
                 )
+        self._reported_loads = bool(recving)
         self._finishing.update(r for r in finished_req_ids if r in self._saving)
         sending = {r for r in self._finishing if all(h.captured() for h in self._saving.get(r, ()))}
         for r in sending:

@@ -1,7 +1,8 @@
 """While a hit loads and nothing else runs, vLLM's steps compute nothing and poll the
 connector: an idle step waits for the oldest load (``idle_wait_s`` at most) instead of
 returning at once, so the polling loop leaves the core and the GIL to the load; a rank
-with no load of its own (another rank's load, a lookup) waits ``idle_wait_s``."""
+with no load of its own (another rank's load, a lookup) waits ``idle_wait_s``, except
+in the step after it reported its loads, when the other ranks report theirs."""
 
 from __future__ import annotations
 
@@ -49,4 +50,17 @@ def test_a_rank_with_no_load_of_its_own_waits_idle_wait_s_instead_of_spinning() 
     core while the other rank's load waited on a store server that got no CPU."""
     started = time.monotonic()
     wait_while_idle([], 0.05)
+    assert 0.05 <= time.monotonic() - started < 10
+
+
+def test_a_rank_that_reported_its_loads_the_step_before_does_not_hold_the_others_report() -> None:
+    """At TP=2 the rank whose load ended first reported it, then slept the whole
+    ``idle_wait_s`` in the step where the other rank reported its own: 3.3 ms of a fresh
+    hit's time before the model ran."""
+    started = time.monotonic()
+    wait_while_idle([], 30.0, reported=True)
+    assert time.monotonic() - started < 10  # not the 30 s bound
+    handles = loads(1)  # a load still in flight is waited for as before
+    started = time.monotonic()
+    wait_while_idle(handles, 0.05, reported=True)
     assert 0.05 <= time.monotonic() - started < 10
