@@ -143,7 +143,7 @@ def wait_while_idle(handles: Sequence[Handle], wait_s: float, *, reported: bool 
     At once too on a rank with no load left that ``reported`` loads in the step before:
     vLLM admits a request once every rank has reported its load, so a rank behind the
     others reports it in this step, and a wait here would only hold that step (at TP=2
-    a fresh hit's load ended 3.3 ms before the step that admitted it; docs/performance.md).
+    it held the step that admitted a fresh hit 3.3-5.1 ms; docs/performance.md).
     """
     if wait_s <= 0 or any(h.done() for h in handles) or (reported and not handles):
         return
