@@ -17,6 +17,9 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
   kvconn-lmdb   kvconn's adapter on LMDB (a temporary directory)
   kvconn-lmdb-poll  the same with ``idle_wait_s = 0``: while a hit loads, vLLM's idle
                 steps poll the connector without pause, as before that setting existed
+  kvconn-lmdb-reportwait  the same with a rank that reported its loads still sleeping
+                ``idle_wait_s`` in the next idle step, where the ranks behind it report
+                theirs (the adapter before 2026-12-06)
   kvconn-lmdb-inherit  the same with ``transfer_cpus = "inherit"``: the transfer threads
                 stay on the step's cores instead of the core vLLM keeps for KV transfers
   kvconn-lmdb-thread  the same with ``lookup_inline = false``: the scheduler asks LMDB
@@ -170,6 +173,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-lmdb-reportwait",
+            "kvconn, LMDB, waits after its report",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "kvconn-lmdb-inherit",
             "kvconn, LMDB, step's cores",
             "TimedKvconnConnector",
@@ -242,6 +251,7 @@ OFFLOAD_EXTRA = {
 #: second would hit in its first run.
 LMDB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-lmdb-poll": {"idle_wait_s": 0},
+    "kvconn-lmdb-reportwait": {},  # the plugin's BENCH_KVCONN_WAIT_AFTER_REPORT
     "kvconn-lmdb-inherit": {"transfer_cpus": "inherit"},
     "kvconn-lmdb-thread": {"lookup_inline": False},
     "kvconn-lmdb-cached": {},  # vLLM's prefix cache on (Config.prefix_caching)
@@ -263,6 +273,7 @@ MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake", "kvconn-mooncake-ke
 #: connectors a deployment would choose between.
 ON_REQUEST = (
     "kvconn-lmdb-poll",
+    "kvconn-lmdb-reportwait",
     "kvconn-lmdb-inherit",
     "kvconn-lmdb-thread",
     "kvconn-lmdb-bare",
@@ -822,6 +833,8 @@ class Runner:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
         if config == "kvconn-mooncake-keptcore":
             env["BENCH_KVCONN_CONNECT_ON_KEPT"] = "1"
+        if config == "kvconn-lmdb-reportwait":
+            env["BENCH_KVCONN_WAIT_AFTER_REPORT"] = "1"
         # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
         # directory by default) and leaves them there; each job's go with the job.
         sockets = tempfile.mkdtemp(prefix="kvconn-ipc-")

@@ -413,8 +413,26 @@ def _connect_on_the_kept_core() -> None:
     adapter.connecting_on = on_the_kept_core
 
 
+def _wait_after_report() -> None:
+    """kvconn-lmdb-reportwait: an idle step waits as the adapter did before 2026-12-06,
+    the whole ``idle_wait_s`` on a rank with no load in flight even right after it
+    reported its loads, so a run measures both side by side."""
+    try:
+        adapter: Any = importlib.import_module("kvconn_vllm.connector")
+    except ImportError:
+        return
+    wait_while_idle = adapter.wait_while_idle
+
+    def wait_as_before(handles: Any, wait_s: float, *, reported: bool = False) -> None:
+        wait_while_idle(handles, wait_s)
+
+    adapter.wait_while_idle = wait_as_before
+
+
 if os.environ.get("BENCH_KVCONN_CONNECT_ON_KEPT"):
     _connect_on_the_kept_core()
+if os.environ.get("BENCH_KVCONN_WAIT_AFTER_REPORT"):
+    _wait_after_report()
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
     _name_transfer_threads()
