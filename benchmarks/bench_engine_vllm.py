@@ -76,7 +76,9 @@ Figures (``--figures``):
                queueing around it, as wall and as CPU time); and a hit's
                time until the model runs (submit to the first layer's
                ``wait_for_layer_load``): the connector's part of the hit's TTFT, apart
-               from a forward pass whose speed varies more between engine processes
+               from a forward pass whose speed varies more between engine processes;
+               at TP >= 2, the hits whose ranks reported their loads in different
+               steps (vLLM admits a hit once every rank has), and what held them
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
                --delay-ms to every call reaching the store (exists, put, get/read,
@@ -455,11 +457,13 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
     """Submit the phase's requests (each at once, or after another has ``n`` tokens) and
     step the engine until every one has finished.
 
-    For a phase that asks (``"cpu": True``, the one the tpot figure reads), every
-    thread's CPU time is read after the step that brought the last request's first token
-    (where decoding begins) and at the end (:func:`cpu_snapshot`). Other phases skip the
-    reads: the mid-phase one costs the front end a few ms of ``/proc`` reading, which
-    would land in one token gap of, say, the stall figure's window.
+    For a phase that asks, every thread's CPU time is read (:func:`cpu_snapshot`): with
+    ``"cpu": "decode"`` (the phase the tpot figure reads) after the step that brought the
+    last request's first token, where decoding begins, and at the end; with ``"cpu":
+    "phase"`` (a hit's, for the inside figure) before the first submission and at the
+    end, outside the timed requests. Other phases skip the reads: the mid-phase one costs
+    the front end a few ms of ``/proc`` reading, which would land in one token gap of,
+    say, the stall figure's window.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -490,7 +494,9 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
             waiting.remove(request)
 
     cpu: dict[str, Any] = {}
-    snapshots = bool(phase.get("cpu"))
+    snapshots = phase.get("cpu")
+    if snapshots == "phase":
+        cpu["start"] = cpu_snapshot(store_pids)
     start = time.monotonic()
     submit_ready()
     while engine.has_unfinished_requests():
@@ -505,7 +511,7 @@ def run_phase(engine: Any, phase: dict[str, Any], store_pids: Sequence[int] = ()
                 req["finished"] = now
         submit_ready()
         if (
-            snapshots
+            snapshots == "decode"
             and "decode" not in cpu
             and not waiting
             and all(r["tokens"] for r in state.values())
@@ -997,15 +1003,21 @@ class Plan:
         prefix cache, on an engine of its own, whose cache lacks the prefix."""
         decode = self.args.decode_tokens if (self.tp == 1 and "tpot" in figures) else 1
         first: list[dict[str, Any]] = [
-            {"name": "store", "requests": [request("p", self.prompt, decode)], "cpu": decode > 1}
+            {
+                "name": "store",
+                "requests": [request("p", self.prompt, decode)],
+                "cpu": "decode" if decode > 1 else None,
+            }
         ]
         if config.prefix_caching:
             first.append({"name": "repeat", "requests": [request("p", self.prompt, 1)]})
         engines = [("first", first)]
         if config.persistent and figures & {"ttft", "inside", "concurrency"}:
+            # where the CPU went during a hit, for the inside figure
+            cpu = "phase" if "inside" in figures else None
             second = [
-                {"name": "fresh", "requests": [request("p", self.prompt, 1)]},
-                {"name": "repeat", "requests": [request("p", self.prompt, 1)]},
+                {"name": "fresh", "requests": [request("p", self.prompt, 1)], "cpu": cpu},
+                {"name": "repeat", "requests": [request("p", self.prompt, 1)], "cpu": cpu},
             ]
             engines.append(("fresh", second))
         if self.tp == 1 and "concurrency" in figures:
@@ -1079,6 +1091,8 @@ def tpot(phase: dict[str, Any] | None, rid: str = "p") -> float | None:
 
 #: Where a decode window's CPU time went, by thread (see :func:`decode_cpu`).
 CPU_GROUPS = ("model", "model_wait", "scheduler", "kvconn", "engine_other", "front_end", "stores")
+#: the tables' headers for :data:`CPU_GROUPS`
+CPU_GROUP_HEADERS = ("model", "waited", "scheduler", "kvconn", "other", "front end", "stores")
 #: every connector call the plugin times, scheduler's and workers'
 TIMED_CALLS = (
     *SCHEDULER_CALLS,
@@ -1113,12 +1127,22 @@ def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str,
     and of no connector's tell the connector's part apart (:func:`tpot_model_aside`).
     """
     phase = run.phase(name)
-    if phase is None or "cpu" not in phase or "decode" not in phase["cpu"]:
+    if phase is None or "decode" not in phase.get("cpu", {}):
         return {}
-    begin, end = phase["cpu"]["decode"], phase["cpu"]["end"]
     tokens = len(phase["requests"][rid]["tokens"]) - 1
     if tokens < 1:
         return {}
+    ms = {
+        k: v / tokens
+        for k, v in cpu_between(run, phase["cpu"]["decode"], phase["cpu"]["end"]).items()
+    }
+    ms["off_model"] = ms["wall"] - ms["model"] + ms["calls"]
+    return ms
+
+
+def cpu_between(run: EngineRun, begin: dict[str, Any], end: dict[str, Any]) -> dict[str, float]:
+    """Milliseconds of CPU each thread group (:func:`decode_cpu`) ran between two
+    :func:`cpu_snapshot` readings, with ``wall`` and the connector's ``calls``."""
     named = {f"{r['pid']}/{r['tid']}" for r in run.records if r["m"] == "thread"}
     front = end["engine"][0]
     # the engine core is the front end's child that started the workers; with no
@@ -1144,15 +1168,14 @@ def decode_cpu(run: EngineRun, name: str = "store", rid: str = "p") -> dict[str,
             group = "scheduler" if pid in cores else "model"
         else:
             group = "engine_other"
-        ms[group] += (run_ns - before[0]) / 1e6 / tokens
+        ms[group] += (run_ns - before[0]) / 1e6
         if group == "model":
-            ms["model_wait"] += (wait_ns - before[1]) / 1e6 / tokens
-    ms["wall"] = (end["t"] - begin["t"]) * 1000 / tokens
+            ms["model_wait"] += (wait_ns - before[1]) / 1e6
+    ms["wall"] = (end["t"] - begin["t"]) * 1000
     calls = sum(
         r["dt"] for r in run.records if r["m"] in TIMED_CALLS and begin["t"] <= r["t0"] <= end["t"]
     )
-    ms["calls"] = calls * 1000 / tokens
-    ms["off_model"] = ms["wall"] - ms["model"] + ms["calls"]
+    ms["calls"] = calls * 1000
     return ms
 
 
@@ -1259,6 +1282,17 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         ]
         if forward and min(forward) <= end:
             out[f"to_forward_{name}"] = min(forward) - phase["requests"]["p"]["submitted"]
+            first_token = phase["requests"]["p"]["tokens"]
+            if first_token:
+                out[f"forward_{name}"] = first_token[0] - min(forward)
+        snapshots = phase.get("cpu") or {}
+        if "start" in snapshots and "end" in snapshots:
+            # where the CPU went during the hit: whether a slower forward pass ran longer
+            # or waited for a CPU other threads took
+            for key, ms in cpu_between(fresh, snapshots["start"], snapshots["end"]).items():
+                out[f"hit_cpu_{key}_{name}"] = ms
+        for key, value in rank_reports(fresh, begin, end).items():
+            out[f"{key}_{name}"] = value
     memcpy = [r for r in fresh.records if r["m"] == "memcpy"]
     if memcpy:
         out["memcpy"] = max(r["dt"] for r in memcpy)
@@ -1267,8 +1301,74 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
     return out
 
 
+def rank_reports(run: EngineRun, begin: float, end: float) -> dict[str, float]:
+    """How the ranks reported a hit's load, when more than one did (TP >= 2).
+
+    vLLM admits the request in the step after every rank has reported it, so a rank
+    that reports a step later holds the hit a step, and the first rank's call in that
+    step (where an idle rank sleeps ``idle_wait_s``) holds it for as long as it takes.
+    ``ranks_apart``: steps between the first rank's report and the last's (0: the same
+    step); ``report_spread``: seconds between them; ``wait_after_report``: the first
+    rank's ``get_transfer_results`` call in the next step, only when the ranks reported
+    apart. Steps are counted per rank from ``begin``: every rank calls
+    ``get_transfer_results`` once a step, and the phase begins with the engine idle.
+    """
+    calls: dict[int, list[dict[str, Any]]] = {}
+    for r in run.records:
+        if r["m"] == "get_transfer_results" and begin <= r["t0"] <= end:
+            calls.setdefault(r["pid"], []).append(r)
+    reports: list[tuple[int, list[dict[str, Any]]]] = []
+    for rank_calls in calls.values():
+        rank_calls.sort(key=lambda r: r["t0"])
+        step = next((i for i, r in enumerate(rank_calls) if r.get("recving")), None)
+        if step is not None:
+            reports.append((step, rank_calls))
+    if len(reports) < 2:
+        return {}
+    steps = [step for step, _ in reports]
+    ends = [rank_calls[step]["t0"] + rank_calls[step]["dt"] for step, rank_calls in reports]
+    out = {"ranks_apart": float(max(steps) - min(steps)), "report_spread": max(ends) - min(ends)}
+    step, first = min(reports, key=lambda report: report[0])
+    if out["ranks_apart"] and step + 1 < len(first):
+        out["wait_after_report"] = first[step + 1]["dt"]
+    return out
+
+
 #: Fields of a ``load_work`` record that split its time (the plugin's ``_load_into``).
 LOAD_PARTS = ("checksum_s", "checksum_cpu", "scatter_s", "scatter_cpu")
+
+
+#: Columns of :func:`rank_report_cells`, and what they say.
+RANK_REPORT_COLUMNS = ("ranks apart", "spread ms", "wait after ms")
+RANK_REPORT_NOTE = (
+    "\n(ranks apart: the hits, fresh and repeat, whose ranks reported their loads in"
+    " different steps, of the hits every rank reported; over the hits reported apart,"
+    " medians of spread: the first rank's report to the last's, and wait after: the first"
+    " rank's call in the step after its report, where an idle rank could sleep"
+    " idle_wait_s and hold the hit. For connectors that load in the background.)"
+)
+
+
+def rank_report_cells(results: Results, tp: int, config: str) -> list[str]:
+    """The cells of :data:`RANK_REPORT_COLUMNS` for one configuration."""
+    names = ("ranks_apart", "report_spread", "wait_after_report")
+    hits: list[dict[str, float | None]] = [
+        {name: trial.get(f"{name}_{phase}") for name in names}
+        for trial in results.samples.get(f"inside/tp{tp}/{config}", [])
+        for phase in ("fresh", "repeat")
+    ]
+    reported = [h for h in hits if h["ranks_apart"] is not None]
+    apart = [h for h in reported if h["ranks_apart"]]
+
+    def median(name: str) -> float | None:
+        values = [v for h in apart if (v := h[name]) is not None]
+        return statistics.median(values) if values else None
+
+    return [
+        f"{len(apart)} of {len(reported)}" if reported else "-",
+        fmt(median("report_spread"), 1000, 1),
+        fmt(median("wait_after_report"), 1000, 2),
+    ]
 
 
 def concurrency_figures(run: EngineRun, layers: int) -> dict[str, float | None]:
@@ -1378,12 +1478,16 @@ class Results:
     def add(self, figure: str, tp: int, config: str, values: dict[str, Any]) -> None:
         self.samples.setdefault(f"{figure}/tp{tp}/{config}", []).append(values)
 
-    def median(self, figure: str, tp: int, config: str, name: str) -> float | None:
-        values = [
+    def values(self, figure: str, tp: int, config: str, name: str) -> list[Any]:
+        """Every trial's value of ``name``, where the trial had one."""
+        return [
             s[name]
             for s in self.samples.get(f"{figure}/tp{tp}/{config}", [])
             if s.get(name) is not None
         ]
+
+    def median(self, figure: str, tp: int, config: str, name: str) -> float | None:
+        values = self.values(figure, tp, config, name)
         return statistics.median(values) if values else None
 
     def error(self, key: str, message: str) -> None:
@@ -1637,13 +1741,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                     [
                         "configuration",
                         "wall",
-                        "model",
-                        "waited",
-                        "scheduler",
-                        "kvconn",
-                        "other",
-                        "front end",
-                        "stores",
+                        *CPU_GROUP_HEADERS,
                         "calls",
                         "off model",
                         "/ none, model aside",
@@ -1782,6 +1880,7 @@ def report(args: argparse.Namespace, results: Results) -> str:
                         fmt(repeat_s, 1000, 1),
                         ratio(fresh_s, ex_fresh),
                         ratio(repeat_s, ex_repeat),
+                        *(rank_report_cells(results, tp, c) if tp > 1 else ()),
                     ]
                 )
             if rows:
@@ -1796,10 +1895,13 @@ def report(args: argparse.Namespace, results: Results) -> str:
                             "repeat hit",
                             "fresh / Example",
                             "repeat / Example",
+                            *(RANK_REPORT_COLUMNS if tp > 1 else ()),
                         ],
                         rows,
                     )
+                    + (RANK_REPORT_NOTE if tp > 1 else "")
                 )
+            out.extend(filter(None, [hit_cpu_report(results, tp, configs)]))
             for kv in ("kvconn-lmdb", "kvconn-redis", "kvconn-mooncake"):
                 if f"inside/tp{tp}/{kv}" in results.samples and example["save"] is not None:
                     mine = {k: m("inside", tp, kv, k) for k in example}
@@ -1831,6 +1933,36 @@ def report(args: argparse.Namespace, results: Results) -> str:
             first_line = e["error"].splitlines()[0] if e["error"] else ""
             out.append(f"  {e['engine']}: {first_line}")
     return "\n\n".join(out)
+
+
+def hit_cpu_report(results: Results, tp: int, configs: Sequence[str]) -> str | None:
+    """Where the CPU went during a fresh engine's hit: the forward pass after a load ran
+    slower in some engine processes than in others, and this tells a pass that ran
+    longer from one that waited for a CPU."""
+    m = results.median
+    columns = ("wall", *CPU_GROUPS)
+    rows = [
+        [
+            CONFIGS[c].label,
+            fmt(m("inside", tp, c, "forward_fresh"), 1000, 0),
+            *(fmt(m("inside", tp, c, f"hit_cpu_{k}_fresh"), 1, 0) for k in columns),
+        ]
+        for c in configs
+        if m("inside", tp, c, "hit_cpu_wall_fresh") is not None
+    ]
+    if not rows:
+        return None
+    return (
+        f"Where the CPU went during a fresh engine's hit, TP={tp} (ms, medians; wall: the"
+        " hit's phase, submission to its first token; forward: the forward pass, its first"
+        " layer's ask to the first token; model: the workers' main threads, summed over"
+        " ranks, and waited: their time ready but without a CPU; other groups as in the"
+        " time per output token's table):\n"
+        + table(
+            ["configuration", "forward", "wall", *CPU_GROUP_HEADERS],
+            rows,
+        )
+    )
 
 
 def stall_report(args: argparse.Namespace, results: Results, tp: int) -> str | None:

@@ -18,6 +18,8 @@ from benchmarks.bench_engine_vllm import (
     Results,
     decode_cpu,
     decode_cpu_values,
+    hit_cpu_report,
+    inside_figures,
     parse_args,
     tpot_model_aside,
 )
@@ -123,10 +125,52 @@ def test_a_slower_forward_pass_is_not_the_connectors_but_its_threads_are() -> No
     assert tpot_model_aside(results, "absent") is None
 
 
-def test_only_the_phase_the_tpot_figure_reads_asks_for_cpu_snapshots() -> None:
+def test_only_the_phases_the_tpot_and_inside_figures_read_ask_for_cpu_snapshots() -> None:
     args = parse_args(["--figures", "tpot", "ttft", "concurrency", "--tp", "1"])
     engines = dict(Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], set(args.figures)))
     asking = [(role, p["name"]) for role, phases in engines.items() for p in phases if p.get("cpu")]
     assert asking == [("first", "store")]
+    inside = Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], {"ttft", "inside"})
+    kinds = [(role, p["name"], p["cpu"]) for role, phases in inside for p in phases if p.get("cpu")]
+    assert kinds == [("fresh", "fresh", "phase"), ("fresh", "repeat", "phase")]
     without = Plan(args, 0, 1).ttft_engines(CONFIGS["kvconn-lmdb"], {"ttft"})
     assert not any(p.get("cpu") for _, phases in without for p in phases)
+
+
+def hit_run(model_ms: float, waited_ms: float) -> EngineRun:
+    """A fresh engine's hit submitted at t=10, its first layer at 10.05 and its first
+    token at 10.5; the worker's main thread ran ``model_ms`` and waited ``waited_ms``."""
+    threads = {**THREADS, f"{WORKER}/{WORKER}": model_ms}
+    phase = {
+        "name": "fresh",
+        "start": 10.0,
+        "end": 10.5,
+        "requests": {"p": {"submitted": 10.0, "tokens": [10.5], "cached": 2016}},
+        "cpu": {
+            "start": snapshot(9.99, dict.fromkeys(threads, 0.0)),
+            "end": snapshot(10.51, threads, waited_ms=waited_ms),
+        },
+    }
+    records = [
+        {"m": "thread", "t0": 9.0, "dt": 0.0, "pid": WORKER, "tid": 120, "name": "kvconn-load"},
+        {"m": "wait_for_layer_load", "t0": 10.05, "dt": 0.0, "pid": WORKER},
+    ]
+    return EngineRun("job", {"phases": [phase]}, records)
+
+
+def test_a_hit_says_whether_its_forward_pass_ran_longer_or_waited_for_a_cpu() -> None:
+    results = Results()
+    for config, model_ms, waited_ms in (("example", 400.0, 5.0), ("kvconn-lmdb", 400.0, 90.0)):
+        figures = inside_figures(EngineRun("s", None), hit_run(model_ms, waited_ms))
+        assert figures["forward_fresh"] == pytest.approx(0.45)
+        assert figures["hit_cpu_wall_fresh"] == pytest.approx(520.0)
+        assert figures["hit_cpu_model_fresh"] == pytest.approx(model_ms)
+        assert figures["hit_cpu_model_wait_fresh"] == pytest.approx(waited_ms)
+        assert figures["hit_cpu_kvconn_fresh"] == pytest.approx(8.0)
+        results.add("inside", 2, config, figures)
+    text = hit_cpu_report(results, 2, ["example", "kvconn-lmdb"])
+    assert text is not None
+    assert "TP=2" in text
+    kvconn_row = text.splitlines()[-1].split()
+    assert kvconn_row[-9:] == ["450", "520", "400", "90", "990", "8", "7", "6", "12"]
+    assert hit_cpu_report(results, 1, ["example", "kvconn-lmdb"]) is None
