@@ -1285,6 +1285,11 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
             first_token = phase["requests"]["p"]["tokens"]
             if first_token:
                 out[f"forward_{name}"] = first_token[0] - min(forward)
+                # the garbage collector's passes in the forward pass (the slowest
+                # process's): they hold the GIL, and run on the thread that allocates
+                out[f"gc_forward_{name}"] = (
+                    window_sum(fresh, min(forward), first_token[0], ("gc",)) or 0.0
+                )
         snapshots = phase.get("cpu") or {}
         if "start" in snapshots and "end" in snapshots:
             # where the CPU went during the hit: whether a slower forward pass ran longer
@@ -1945,6 +1950,7 @@ def hit_cpu_report(results: Results, tp: int, configs: Sequence[str]) -> str | N
         [
             CONFIGS[c].label,
             fmt(m("inside", tp, c, "forward_fresh"), 1000, 0),
+            fmt(m("inside", tp, c, "gc_forward_fresh"), 1000, 1),
             *(fmt(m("inside", tp, c, f"hit_cpu_{k}_fresh"), 1, 0) for k in columns),
         ]
         for c in configs
@@ -1955,11 +1961,12 @@ def hit_cpu_report(results: Results, tp: int, configs: Sequence[str]) -> str | N
     return (
         f"Where the CPU went during a fresh engine's hit, TP={tp} (ms, medians; wall: the"
         " hit's phase, submission to its first token; forward: the forward pass, its first"
-        " layer's ask to the first token; model: the workers' main threads, summed over"
+        " layer's ask to the first token; gc: the garbage collector's passes in it, in the"
+        " slowest process; model: the workers' main threads, summed over"
         " ranks, and waited: their time ready but without a CPU; other groups as in the"
         " time per output token's table):\n"
         + table(
-            ["configuration", "forward", "wall", *CPU_GROUP_HEADERS],
+            ["configuration", "forward", "gc", "wall", *CPU_GROUP_HEADERS],
             rows,
         )
     )

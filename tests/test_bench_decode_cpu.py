@@ -154,6 +154,8 @@ def hit_run(model_ms: float, waited_ms: float) -> EngineRun:
     records = [
         {"m": "thread", "t0": 9.0, "dt": 0.0, "pid": WORKER, "tid": 120, "name": "kvconn-load"},
         {"m": "wait_for_layer_load", "t0": 10.05, "dt": 0.0, "pid": WORKER},
+        {"m": "gc", "t0": 10.2, "dt": 0.03, "pid": WORKER, "gen": 2},  # in the pass
+        {"m": "gc", "t0": 10.01, "dt": 0.5, "pid": WORKER, "gen": 2},  # before it
     ]
     return EngineRun("job", {"phases": [phase]}, records)
 
@@ -163,6 +165,7 @@ def test_a_hit_says_whether_its_forward_pass_ran_longer_or_waited_for_a_cpu() ->
     for config, model_ms, waited_ms in (("example", 400.0, 5.0), ("kvconn-lmdb", 400.0, 90.0)):
         figures = inside_figures(EngineRun("s", None), hit_run(model_ms, waited_ms))
         assert figures["forward_fresh"] == pytest.approx(0.45)
+        assert figures["gc_forward_fresh"] == pytest.approx(0.03)
         assert figures["hit_cpu_wall_fresh"] == pytest.approx(520.0)
         assert figures["hit_cpu_model_fresh"] == pytest.approx(model_ms)
         assert figures["hit_cpu_model_wait_fresh"] == pytest.approx(waited_ms)
@@ -172,5 +175,5 @@ def test_a_hit_says_whether_its_forward_pass_ran_longer_or_waited_for_a_cpu() ->
     assert text is not None
     assert "TP=2" in text
     kvconn_row = text.splitlines()[-1].split()
-    assert kvconn_row[-9:] == ["450", "520", "400", "90", "990", "8", "7", "6", "12"]
+    assert kvconn_row[-10:] == ["450", "30.0", "520", "400", "90", "990", "8", "7", "6", "12"]
     assert hit_cpu_report(results, 1, ["example", "kvconn-lmdb"]) is None

@@ -8,7 +8,9 @@ would point the search for a fresh engine's slow first load at the wrong place.
 
 from __future__ import annotations
 
+import gc
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +65,25 @@ def test_a_load_records_its_passes_and_cpu_and_nothing_outside_a_load_does(
         assert 0 < work[f"{part}_s"] < work["dt"]
         assert 0 <= work[f"{part}_cpu"] <= work["cpu"]
     assert work["checksum_s"] + work["scatter_s"] <= work["dt"]
+
+
+def test_each_garbage_collection_is_one_record_even_inside_another_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BENCH_KVCONN_TIMINGS", str(tmp_path))
+    monkeypatch.setattr(plugin, "_fd", None)
+    before = list(gc.callbacks)  # the collector's own list: restored, not replaced
+    try:
+        plugin._time_collections()
+        plugin._time_collections()  # a second import of the plugin registers nothing twice
+        assert len(gc.callbacks) == len(before) + 1
+        gc.collect(1)
+        # a collection that starts while a record is being written (its JSON allocates)
+        # records itself on the same thread instead of waiting on the writer's lock
+        with plugin._lock:
+            gc.collect(2)
+    finally:
+        gc.callbacks[:] = before
+    found = [r for r in records(tmp_path) if r["m"] == "gc"]
+    assert [r["gen"] for r in found] == [1, 2]
+    assert all(r["dt"] >= 0 and r["tid"] == threading.get_native_id() for r in found)

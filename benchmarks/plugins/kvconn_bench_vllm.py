@@ -23,7 +23,8 @@ Each timed call appends one JSON line to ``$BENCH_KVCONN_TIMINGS/<pid>.jsonl``:
 ``time.monotonic()``, one clock for every process of the machine, so the benchmark can
 attribute calls to the phases it timed in its own process; ``get_transfer_results`` adds
 ``recving``, how many requests it reported loaded; each kvconn transfer thread
-records its Linux thread id as it starts (``thread``). Nothing is written when the
+records its Linux thread id as it starts (``thread``); each pass of the garbage collector
+is one ``gc`` record (generation, thread). Nothing is written when the
 variable is unset, and the connector behaves exactly as its base class.
 """
 
@@ -33,6 +34,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import gc
 import glob
 import importlib
 import json
@@ -80,7 +82,9 @@ _BASES = {
 
 __all__ = ["TIMED_METHODS", "SlowLmdbBackend", "record", "timed_class", *_BASES]
 
-_lock = threading.Lock()
+# reentrant: a garbage collection can start inside record() (its JSON allocates), and
+# the collector's callback records it on the same thread
+_lock = threading.RLock()
 _fd: int | None = None
 _fd_pid = 0
 
@@ -303,6 +307,28 @@ def _name_transfer_threads() -> None:
     cls._run = _run
 
 
+def _time_collections() -> None:
+    """Record each pass of Python's garbage collector in this process (``gc``, with its
+    generation and thread): a pass runs on whichever thread allocates, the forward
+    pass's among them, and over a heap as large as an engine's it can take longer than
+    a connector's whole load."""
+    if any(getattr(callback, "_kvconn_bench", False) for callback in gc.callbacks):
+        return
+    started: list[float] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.monotonic())
+        elif started:
+            t0 = started.pop()
+            generation = info.get("generation", -1)
+            tid = threading.get_native_id()
+            record("gc", t0, time.monotonic() - t0, gen=generation, tid=tid)
+
+    on_collection._kvconn_bench = True  # type: ignore[attr-defined]
+    gc.callbacks.append(on_collection)
+
+
 def _time_load_work() -> None:
     """Record each kvconn load's own work (read, verify, scatter: ``Connector.load_into``
     on the load thread), without the queueing and hand-off around it.
@@ -437,6 +463,7 @@ if os.environ.get("BENCH_KVCONN_TIMINGS"):
     _time_background_transfers()
     _name_transfer_threads()
     _time_load_work()
+    _time_collections()
     _note_modules()
 
 
