@@ -78,7 +78,10 @@ Figures (``--figures``):
                ``wait_for_layer_load``): the connector's part of the hit's TTFT, apart
                from a forward pass whose speed varies more between engine processes;
                at TP >= 2, the hits whose ranks reported their loads in different
-               steps (vLLM admits a hit once every rank has), and what held them
+               steps (vLLM admits a hit once every rank has), and what held them;
+               and where the CPU went during a fresh engine's hit, by thread group:
+               whether its forward pass ran longer or waited for a CPU, and the
+               garbage collector's passes in it
   stall        inter-token latency of a decoding request while other requests load
                2,048-token hits and save new blocks through a store that adds
                --delay-ms to every call reaching the store (exists, put, get/read,
