@@ -1486,16 +1486,12 @@ class Results:
     def add(self, figure: str, tp: int, config: str, values: dict[str, Any]) -> None:
         self.samples.setdefault(f"{figure}/tp{tp}/{config}", []).append(values)
 
-    def values(self, figure: str, tp: int, config: str, name: str) -> list[Any]:
-        """Every trial's value of ``name``, where the trial had one."""
-        return [
+    def median(self, figure: str, tp: int, config: str, name: str) -> float | None:
+        values = [
             s[name]
             for s in self.samples.get(f"{figure}/tp{tp}/{config}", [])
             if s.get(name) is not None
         ]
-
-    def median(self, figure: str, tp: int, config: str, name: str) -> float | None:
-        values = self.values(figure, tp, config, name)
         return statistics.median(values) if values else None
 
     def error(self, key: str, message: str) -> None:
