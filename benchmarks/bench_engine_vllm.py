@@ -22,6 +22,9 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 theirs (the adapter before 2026-12-06)
   kvconn-lmdb-inherit  the same with ``transfer_cpus = "inherit"``: the transfer threads
                 stay on the step's cores instead of the core vLLM keeps for KV transfers
+  kvconn-lmdb-keptloads  the same with every load on the core vLLM keeps, even one
+                submitted while the engine has nothing else to run (the adapter before
+                2026-12-06, which ran such a load on the step's idle core)
   kvconn-lmdb-thread  the same with ``lookup_inline = false``: the scheduler asks LMDB
                 through the lookup thread, as it asks a store across a network, not on
                 its own thread
@@ -190,6 +193,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-lmdb-keptloads",
+            "kvconn, LMDB, loads on kept core",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "kvconn-lmdb-thread",
             "kvconn, LMDB, lookup thread",
             "TimedKvconnConnector",
@@ -258,6 +267,7 @@ LMDB_VARIANTS: dict[str, dict[str, Any]] = {
     "kvconn-lmdb-poll": {"idle_wait_s": 0},
     "kvconn-lmdb-reportwait": {},  # the plugin's BENCH_KVCONN_WAIT_AFTER_REPORT
     "kvconn-lmdb-inherit": {"transfer_cpus": "inherit"},
+    "kvconn-lmdb-keptloads": {},  # the plugin's BENCH_KVCONN_LOADS_ON_KEPT
     "kvconn-lmdb-thread": {"lookup_inline": False},
     "kvconn-lmdb-cached": {},  # vLLM's prefix cache on (Config.prefix_caching)
     "kvconn-lmdb-bare": {"checksum": "none"},
@@ -280,6 +290,7 @@ ON_REQUEST = (
     "kvconn-lmdb-poll",
     "kvconn-lmdb-reportwait",
     "kvconn-lmdb-inherit",
+    "kvconn-lmdb-keptloads",
     "kvconn-lmdb-thread",
     "kvconn-lmdb-bare",
     *REDIS_VARIANTS,
@@ -844,6 +855,8 @@ class Runner:
             env["BENCH_KVCONN_CONNECT_ON_KEPT"] = "1"
         if config == "kvconn-lmdb-reportwait":
             env["BENCH_KVCONN_WAIT_AFTER_REPORT"] = "1"
+        if config == "kvconn-lmdb-keptloads":
+            env["BENCH_KVCONN_LOADS_ON_KEPT"] = "1"
         # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
         # directory by default) and leaves them there; each job's go with the job.
         sockets = tempfile.mkdtemp(prefix="kvconn-ipc-")

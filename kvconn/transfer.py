@@ -32,6 +32,15 @@ Memory is bounded: staging of transfers in flight lives in one :class:`~kvconn.a
 of ``inflight_bytes``. A save that finds no room is dropped and counted (a cache may skip
 a save); a load waits for room. A backend that fails or stalls yields failed or dropped
 blocks and back-off (:mod:`kvconn.calls`), never an exception on the engine's thread.
+
+Where the threads run: on :attr:`TransferService.cpus` when set (a core the engine keeps
+for KV transfers), so a save or a load does not take the core a forward pass runs on. A
+load submitted while the engine has nothing else to run (``load_many(..., idle=True)``)
+runs on the submitting thread's own cores instead: the next forward pass there reads the
+bytes it scatters, and on a CPU it read them slower when another core wrote them (at
+TP=1 on this project's 2-core machines, the fresh hit's forward pass ran ~30 ms longer;
+docs/performance.md, 2026-12-06), while that core has nothing else to do until the load
+is done. Loads submitted beside other work, and every save, stay on :attr:`cpus`.
 """
 
 from __future__ import annotations
@@ -187,6 +196,7 @@ class _LoadJob:
     transfer: Transfer
     hashes: list[bytes]
     slots: SlotMap
+    cpus: frozenset[int] | None = None  # where it runs; None: on TransferService.cpus
 
 
 @dataclass
@@ -337,17 +347,22 @@ class TransferService:
         """Load these blocks into their slots in the background (see the module docstring)."""
         return self.load_many([LoadRequest(block_hashes, slots, tag)])[0]
 
-    def load_many(self, requests: Sequence[LoadRequest]) -> list[Transfer]:
+    def load_many(self, requests: Sequence[LoadRequest], *, idle: bool = False) -> list[Transfer]:
         """Queue several loads (a step's) and wake the load threads once, after the last.
 
         Woken after each, a load thread takes the GIL from the submitting (engine) thread
         while it queues the rest: measured inside vLLM, 8 loads of one step kept the
         engine's thread 5.5 ms in ``start_load_kv``. Arguments are checked first, for
         every request: a bad one raises ``ArgumentError`` here, and nothing is queued.
+
+        ``idle``: the engine runs nothing else until these loads are done (a step that
+        computes nothing), so they run on this thread's cores rather than on
+        :attr:`cpus` (module docstring). Ignored where :attr:`cpus` is None.
         """
         self._check_open()
         conn = self.connector
         checked = [conn.check_transfer(r.block_hashes, r.slots) for r in requests]
+        here = self._submitter_cpus() if idle and self.cpus is not None else None
         transfers: list[Transfer] = []
         jobs: list[_LoadJob] = []
         for request, (hashes, slots) in zip(requests, checked):
@@ -357,7 +372,7 @@ class TransferService:
             if not hashes:
                 transfer._finish(LoadResult(0))
             else:
-                jobs.append(_LoadJob(transfer, hashes, slots))
+                jobs.append(_LoadJob(transfer, hashes, slots, here))
         if jobs:
             with self._cond:
                 for job in jobs:
@@ -488,16 +503,16 @@ class TransferService:
     def _run(self, loop: Callable[[], None]) -> None:
         """A transfer thread: on :attr:`cpus` when set, then ``loop`` until closed."""
         if self.cpus is not None:
-            try:
-                os.sched_setaffinity(0, self.cpus)  # 0: this thread alone, on Linux
-            except (AttributeError, OSError, ValueError) as exc:
-                log.warning(
-                    "kvconn: cannot run %s on CPUs %s (%s); it runs where it was started",
-                    threading.current_thread().name,
-                    sorted(self.cpus),
-                    exc,
-                )
+            _move_to(self.cpus)
         loop()
+
+    @staticmethod
+    def _submitter_cpus() -> frozenset[int] | None:
+        """The calling thread's cores, or None where the system does not say."""
+        try:
+            return frozenset(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return None
 
     def _store_loop(self) -> None:
         while True:
@@ -521,6 +536,7 @@ class TransferService:
                 job.transfer._part_stored(result)
 
     def _load_loop(self) -> None:
+        placed = self.cpus
         while True:
             with self._cond:
                 while not self._queues.load and not self._closing:
@@ -532,6 +548,10 @@ class TransferService:
                 self.connector.check_replicas(job.probe)
                 continue
             transfer = job.transfer
+            want = job.cpus or self.cpus
+            if want is not None and want != placed:  # a refusal is logged once, not retried
+                _move_to(want)
+                placed = want
             try:
                 result = self._run_load(job)
             except Exception:
@@ -584,6 +604,21 @@ class TransferService:
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         with torch.cuda.stream(stream):
             yield
+
+
+def _move_to(cpus: frozenset[int]) -> bool:
+    """Run the calling thread on ``cpus``; a set the system refuses is logged, not raised."""
+    try:
+        os.sched_setaffinity(0, cpus)  # 0: this thread alone, on Linux
+    except (AttributeError, OSError, ValueError) as exc:
+        log.warning(
+            "kvconn: cannot run %s on CPUs %s (%s); it runs where it was",
+            threading.current_thread().name,
+            sorted(cpus),
+            exc,
+        )
+        return False
+    return True
 
 
 def _merge(a: SaveResult, b: SaveResult) -> SaveResult:

@@ -565,3 +565,47 @@ def test_a_cpu_set_that_names_no_cpu_is_refused(cpus):
     (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
     with pytest.raises(ValueError, match="cpus must be a non-empty set of CPU numbers"):
         TransferService(conn, cpus=cpus)
+
+
+def test_a_load_submitted_while_the_engine_idles_runs_on_the_submitting_threads_cores(
+    services, monkeypatch
+):
+    """The engine's core has nothing to do until such a load is done, and its next
+    forward pass reads what the load scatters; a load beside other work, and every save,
+    stay on the cores kept for transfers."""
+    own = os.sched_getaffinity(0)
+    if len(own) < 2:
+        pytest.skip("needs two CPUs: one for the step, one kept for transfers")
+    step, kept = {min(own)}, {max(own)}
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    seen: list[set[int]] = []
+    load_into = conn.load_into
+
+    def recorded(*args, **kwargs):
+        seen.append(os.sched_getaffinity(0))
+        return load_into(*args, **kwargs)
+
+    monkeypatch.setattr(conn, "load_into", recorded)
+    service = service_for(conn, services, cpus=kept, load_threads=1)
+    os.sched_setaffinity(0, step)  # the engine's step, bound to its core
+    try:
+        assert service.save(HASHES, SLOTS).wait(10)
+        (idle,) = service.load_many([LoadRequest(HASHES, [s + 12 for s in SLOTS])], idle=True)
+        assert idle.wait(10) and idle.result.ok
+        (busy,) = service.load_many([LoadRequest(HASHES, [s + 24 for s in SLOTS])])
+        assert busy.wait(10) and busy.result.ok
+    finally:
+        os.sched_setaffinity(0, own)
+    assert seen == [step, kept]
+    store_thread = next(t for t in service._threads if t.name == "kvconn-store")
+    assert os.sched_getaffinity(store_thread.native_id) == kept
+
+
+def test_an_idle_load_stays_where_the_threads_start_when_no_cpus_are_kept(services, monkeypatch):
+    """``transfer_cpus = "inherit"`` (or an engine that keeps no core): nothing moves."""
+    own = os.sched_getaffinity(0)
+    (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
+    service = service_for(placed(conn, "inherit"), services, cpus={max(own)})
+    (load,) = service.load_many([LoadRequest(HASHES, SLOTS)], idle=True)
+    assert load.wait(10)
+    assert all(os.sched_getaffinity(t.native_id) == own for t in service._threads)

@@ -455,6 +455,24 @@ def _wait_after_report() -> None:
     adapter.wait_while_idle = wait_as_before
 
 
+def _loads_on_the_kept_core() -> None:
+    """kvconn-lmdb-keptloads: every load on the core vLLM keeps, as the adapter did
+    before 2026-12-06, even one submitted in a step that computes nothing, so a run
+    measures both side by side."""
+    try:
+        transfer: Any = importlib.import_module("kvconn.transfer")
+    except ImportError:
+        return
+    load_many = transfer.TransferService.load_many
+
+    def load_on_the_kept_core(self: Any, requests: Any, *, idle: bool = False) -> Any:
+        return load_many(self, requests)
+
+    transfer.TransferService.load_many = load_on_the_kept_core
+
+
+if os.environ.get("BENCH_KVCONN_LOADS_ON_KEPT"):
+    _loads_on_the_kept_core()
 if os.environ.get("BENCH_KVCONN_CONNECT_ON_KEPT"):
     _connect_on_the_kept_core()
 if os.environ.get("BENCH_KVCONN_WAIT_AFTER_REPORT"):

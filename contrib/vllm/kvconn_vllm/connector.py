@@ -299,11 +299,16 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._transfers().order_reuse()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Submit this step's loads; they finish in the background (``get_finished``)."""
+        """Submit this step's loads; they finish in the background (``get_finished``).
+
+        In a step that computes nothing, they run on the step's own cores, idle until
+        they are done (``load_many``'s ``idle``).
+        """
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvconnMetadata)
         requests = [LoadRequest(load.hashes, load.slots, load.req_id) for load in meta.loads]
-        handles = self._transfers().load_many(requests)  # the load threads woken once
+        # the load threads woken once
+        handles = self._transfers().load_many(requests, idle=meta.idle)
         for handle, load in zip(handles, meta.loads):
             self._loading[load.req_id] = (handle, load)
 
