@@ -37,10 +37,11 @@ Where the threads run: on :attr:`TransferService.cpus` when set (a core the engi
 for KV transfers), so a save or a load does not take the core a forward pass runs on. A
 load submitted while the engine has nothing else to run (``load_many(..., idle=True)``)
 runs on the submitting thread's own cores instead: the next forward pass there reads the
-bytes it scatters, and on a CPU it read them slower when another core wrote them (at
-TP=1 on this project's 2-core machines, the fresh hit's forward pass ran ~30 ms longer;
-docs/performance.md, 2026-12-06), while that core has nothing else to do until the load
-is done. Loads submitted beside other work, and every save, stay on :attr:`cpus`.
+bytes it scatters, and on a CPU it read them slower when another core wrote them (in
+vLLM at TP=1 on two CPUs, the fresh hit's forward pass took 662 against 594 ms, medians
+of five rounds; docs/performance.md, "Loads on the step's core while it idles"), while
+that core has nothing else to do until the load is done. Loads submitted beside other
+work, and every save, stay on :attr:`cpus`.
 """
 
 from __future__ import annotations
