@@ -1285,6 +1285,9 @@ def inside_figures(first: EngineRun, fresh: EngineRun | None) -> dict[str, float
         out[f"load_faults_{name}"] = window_sum(
             fresh, begin, end, ("load_work",), field="minor_faults"
         )
+        # how many of the phase's loads ran on the step's cores (in the JSON): an idle
+        # step's load should
+        out[f"load_on_step_{name}"] = window_sum(fresh, begin, end, ("load_work",), field="on_step")
         # where a load's time went (in the JSON): the checksum and scatter passes of a
         # lent load, wall and CPU
         for part in LOAD_PARTS:

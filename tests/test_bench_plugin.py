@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,25 @@ def test_a_load_records_its_passes_and_cpu_and_nothing_outside_a_load_does(
         assert 0 < work[f"{part}_s"] < work["dt"]
         assert 0 <= work[f"{part}_cpu"] <= work["cpu"]
     assert work["checksum_s"] + work["scatter_s"] <= work["dt"]
+    assert work["on_step"] == 1.0  # loaded on the main thread: the step's own cores
+
+
+def test_a_load_says_whether_it_ran_on_the_steps_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step runs on the process's main thread; a load thread pinned elsewhere is not
+    on its cores, one left where it started is."""
+    own = os.sched_getaffinity(0)
+    seen: list[bool] = []
+
+    def on(cpus: set[int] | None) -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        seen.append(plugin._on_step_cores())
+
+    for cpus in (None, {min(own)} if len(own) > 1 else None):
+        thread = threading.Thread(target=on, args=(cpus,))
+        thread.start()
+        thread.join()
+    assert seen == [True, len(own) == 1]
 
 
 def test_each_garbage_collection_is_one_record_even_inside_another_record(

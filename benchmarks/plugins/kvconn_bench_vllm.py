@@ -336,6 +336,8 @@ def _time_load_work() -> None:
     Its wall time counts the time the thread waited for a CPU or the GIL as well; its
     CPU time (``cpu``, the thread's own) counts only the work, so the two tell the copies
     a load makes from the CPUs it shares (three processes on two CPUs at TP=2).
+    ``on_step`` is 1 for a load that ran on the step's cores (those of the process's
+    main thread, which runs vLLM's step), else 0: whether an idle step's load went there.
     """
     found = _unpatched("kvconn.connector", "Connector", "load_into")
     if found is None:
@@ -359,6 +361,7 @@ def _time_load_work() -> None:
                 role="worker",
                 blocks=len(hashes),
                 cpu=time.thread_time() - cpu,
+                on_step=float(_on_step_cores()),
                 minor_faults=after.ru_minflt - before.ru_minflt,
                 major_faults=after.ru_majflt - before.ru_majflt,
                 **{f"{name}_s": wall for name, (wall, _) in passes.items()},
@@ -368,6 +371,15 @@ def _time_load_work() -> None:
     _load_into._kvconn_bench = True  # type: ignore[attr-defined]
     cls.load_into = _load_into
     _time_load_passes()
+
+
+def _on_step_cores() -> bool:
+    """Whether this thread runs on the cores of the process's main thread (the step's)."""
+    try:
+        main = threading.main_thread().native_id
+        return main is not None and os.sched_getaffinity(0) == os.sched_getaffinity(main)
+    except (AttributeError, OSError):
+        return False
 
 
 #: The passes of a lent load (``kvconn.lent_load``) timed apart inside ``load_work``,
