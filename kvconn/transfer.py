@@ -363,7 +363,7 @@ class TransferService:
         self._check_open()
         conn = self.connector
         checked = [conn.check_transfer(r.block_hashes, r.slots) for r in requests]
-        here = self._submitter_cpus() if idle and self.cpus is not None else None
+        here = _own_cpus() if idle and self.cpus is not None else None
         transfers: list[Transfer] = []
         jobs: list[_LoadJob] = []
         for request, (hashes, slots) in zip(requests, checked):
@@ -507,14 +507,6 @@ class TransferService:
             _move_to(self.cpus)
         loop()
 
-    @staticmethod
-    def _submitter_cpus() -> frozenset[int] | None:
-        """The calling thread's cores, or None where the system does not say."""
-        try:
-            return frozenset(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            return None
-
     def _store_loop(self) -> None:
         while True:
             with self._cond:
@@ -607,7 +599,7 @@ class TransferService:
             yield
 
 
-def _move_to(cpus: frozenset[int]) -> bool:
+def _move_to(cpus: frozenset[int]) -> None:
     """Run the calling thread on ``cpus``; a set the system refuses is logged, not raised."""
     try:
         os.sched_setaffinity(0, cpus)  # 0: this thread alone, on Linux
@@ -618,8 +610,14 @@ def _move_to(cpus: frozenset[int]) -> bool:
             sorted(cpus),
             exc,
         )
-        return False
-    return True
+
+
+def _own_cpus() -> frozenset[int] | None:
+    """The calling thread's cores, or None where the system does not say."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def _merge(a: SaveResult, b: SaveResult) -> SaveResult:

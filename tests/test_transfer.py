@@ -601,7 +601,7 @@ def test_a_load_submitted_while_the_engine_idles_runs_on_the_submitting_threads_
     assert os.sched_getaffinity(store_thread.native_id) == kept
 
 
-def test_an_idle_load_stays_where_the_threads_start_when_no_cpus_are_kept(services, monkeypatch):
+def test_an_idle_load_stays_where_the_threads_start_when_no_cpus_are_kept(services):
     """``transfer_cpus = "inherit"`` (or an engine that keeps no core): nothing moves."""
     own = os.sched_getaffinity(0)
     (conn,) = tp_group(minimax_m3(tp_size=1), GatedBackend())
