@@ -66,6 +66,11 @@ class Capabilities:
     #: embedded store), so a scheduler asks it on its own thread: a hand-off to a
     #: lookup thread costs more than the answer (:class:`kvconn.lookup.DeadlineLookup`).
     local: bool = False
+    #: The client moves bytes on I/O threads of its own, started in the engine's process
+    #: (Mooncake's transfer engine), not only on the calling thread. An idle step's load
+    #: then stays on the transfer cores (:meth:`kvconn.transfer.TransferService.load_many`):
+    #: on the step's core it took turns with those threads and ran slower.
+    io_threads: bool = False
 
 
 def as_bytes_view(value: Buffer, what: str = "value") -> memoryview:

@@ -31,6 +31,20 @@ class TestLmdbConformance(BackendTests, ExactReadStatusTests):
         return {"path": str(tmp_path / "store")}
 
 
+def test_the_store_moves_bytes_on_the_calling_thread_and_declares_no_io_threads(tmp_path):
+    """So an idle step's loads may run on the step's own core (kvconn.transfer)."""
+    before = set(os.listdir("/proc/self/task"))
+    backend = LmdbBackend(str(tmp_path / "kv"))
+    try:
+        assert backend.put(["k"], [b"v" * 4096]) == [True]
+        out = bytearray(4096)
+        assert backend.get(["k"], [out]) == [True] and bytes(out) == b"v" * 4096
+        assert set(os.listdir("/proc/self/task")) <= before
+        assert not LmdbBackend.capabilities.io_threads
+    finally:
+        backend.close()
+
+
 def test_the_directory_is_created_owner_only(tmp_path):
     path = tmp_path / "a" / "b"
     load_backend("lmdb", {"path": str(path)}).close()

@@ -253,6 +253,23 @@ def prefix() -> str:
     return f"mc/{uuid.uuid4().hex}"
 
 
+def _native_threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def test_the_client_starts_io_threads_of_its_own_as_it_declares(cluster: MooncakeCluster) -> None:
+    """``io_threads`` keeps an idle step's loads off the step's core, where these run."""
+    before = _native_threads()
+    opened = _open(_options(cluster))
+    try:
+        started = _native_threads() - before
+        python = {t.native_id for t in threading.enumerate()}
+        assert started - python, "opening the client started no threads of its own"
+        assert type(opened).capabilities.io_threads
+    finally:
+        opened.close()
+
+
 # ---------------------------------------------------------------- zero-copy paths
 def test_registered_memory_moves_with_batch_put_from_and_batch_get_into_only(
     backend: Any, prefix: str

@@ -601,6 +601,31 @@ def test_a_load_submitted_while_the_engine_idles_runs_on_the_submitting_threads_
     assert os.sched_getaffinity(store_thread.native_id) == kept
 
 
+class ThreadedClientBackend(GatedBackend):
+    """A client that moves bytes on I/O threads of its own, as Mooncake's does."""
+
+    capabilities = replace(GatedBackend.capabilities, io_threads=True)
+
+
+def test_an_idle_load_stays_on_the_kept_cores_when_the_client_has_io_threads(services):
+    """Mooncake's I/O threads run on the step's core: a load thread moved there would
+    take turns with them (1.18x the peer's hit against 0.83x on the kept core)."""
+    own = os.sched_getaffinity(0)
+    if len(own) < 2:
+        pytest.skip("needs two CPUs: one for the step, one kept for transfers")
+    step, kept = {min(own)}, {max(own)}
+    (conn,) = tp_group(minimax_m3(tp_size=1), ThreadedClientBackend())
+    service = service_for(conn, services, cpus=kept, load_threads=1)
+    os.sched_setaffinity(0, step)
+    try:
+        assert service.save(HASHES, SLOTS).wait(10)
+        (idle,) = service.load_many([LoadRequest(HASHES, [s + 12 for s in SLOTS])], idle=True)
+        assert idle.wait(10) and idle.result.ok
+    finally:
+        os.sched_setaffinity(0, own)
+    assert all(os.sched_getaffinity(t.native_id) == kept for t in service._threads)
+
+
 def test_an_idle_load_stays_where_the_threads_start_when_no_cpus_are_kept(services):
     """``transfer_cpus = "inherit"`` (or an engine that keeps no core): nothing moves."""
     own = os.sched_getaffinity(0)

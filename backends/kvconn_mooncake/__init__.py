@@ -62,7 +62,7 @@ class MooncakeBackend(Backend):
     extra: ClassVar[str | None] = "mooncake"
     client_modules: ClassVar[tuple[str, ...]] = ("mooncake.store",)
     capabilities: ClassVar[Capabilities] = Capabilities(
-        buffer_registration=True, delete=True, thread_safe=True
+        buffer_registration=True, delete=True, thread_safe=True, io_threads=True
     )
 
     def __init__(
