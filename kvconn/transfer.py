@@ -44,8 +44,9 @@ that core has nothing else to do until the load is done. Loads submitted beside 
 work, and every save, stay on :attr:`cpus`. So does every load over a backend whose
 client moves bytes on I/O threads of its own (``Capabilities.io_threads``: Mooncake's
 transfer engine, whose threads run on the step's core): there the load thread took
-turns with them, and the hit came 1.18x MooncakeStoreConnector's against 0.83x with the
-load on the kept core (docs/performance.md, "Loads on the step's core while it idles").
+turns with them, and the hit came 1.18x MooncakeStoreConnector's against 0.93x with the
+load on the kept core (docs/performance.md, "Idle loads over Mooncake back on the kept
+core").
 """
 
 from __future__ import annotations
