@@ -41,7 +41,9 @@ bytes it scatters, and on a CPU it read them slower when another core wrote them
 vLLM at TP=1 on two CPUs, the fresh hit's forward pass took 662 against 594 ms, medians
 of five rounds; docs/performance.md, "Loads on the step's core while it idles"), while
 that core has nothing else to do until the load is done. Loads submitted beside other
-work, and every save, stay on :attr:`cpus`. So does every load over a backend whose
+work, and every save, stay on :attr:`cpus`. So does every load where the configuration
+names the CPUs (``transfer_cpus = "6-7"``: the user's placement is kept), and every load
+over a backend whose
 client moves bytes on I/O threads of its own (``Capabilities.io_threads``: Mooncake's
 transfer engine, whose threads run on the step's core): there the load thread took
 turns with them, and the hit came 1.18x MooncakeStoreConnector's against 0.93x with the
@@ -262,8 +264,11 @@ class TransferService:
                 )
         #: The CPUs the transfer threads are asked to run on (None: inherited).
         self.cpus: frozenset[int] | None = cpus
-        # whether an idle step's loads go to the submitter's cores (load_many)
-        self._idle_moves = cpus is not None and not connector.backend.capabilities.io_threads
+        # whether an idle step's loads go to the submitter's cores (load_many): only to
+        # cores the engine suggested, a CPU list the user names is kept for every load
+        self._idle_moves = (
+            setting == AUTO and cpus is not None and not connector.backend.capabilities.io_threads
+        )
         #: Loads run one at a time in submission order (a connector over a TP group).
         self.ordered = connector.group is not None
         if self.ordered:
@@ -365,8 +370,9 @@ class TransferService:
 
         ``idle``: the engine runs nothing else until these loads are done (a step that
         computes nothing), so they run on this thread's cores rather than on
-        :attr:`cpus` (module docstring). Ignored where :attr:`cpus` is None, and over a
-        backend that declares ``io_threads``.
+        :attr:`cpus` (module docstring). Ignored where :attr:`cpus` is None or a CPU
+        list the configuration names (``transfer_cpus``), and over a backend that
+        declares ``io_threads``.
         """
         self._check_open()
         conn = self.connector
