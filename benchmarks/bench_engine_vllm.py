@@ -49,6 +49,10 @@ Configurations (vLLM's prefix cache is off except in ``prefix`` and
                 connecting from the core vLLM keeps for KV transfers, where kvconn's
                 transfer threads run: Mooncake's I/O threads then share that core
                 (the adapter's default from 2026-12-05 to 2026-12-06)
+  kvconn-mooncake-split  the client on the kept core as there, but a load submitted
+                while the engine has nothing else to run on the step's idle core, as
+                over LMDB: the load thread and the client's threads on different cores,
+                the other way round from kvconn-mooncake's (keys of their own)
   mooncake      vLLM's MooncakeStoreConnector (a Mooncake master and storage process
                 started on loopback; its error is recorded if it cannot run on this CPU)
   offloading    vLLM's OffloadingConnector, a 1 GiB CPU tier under its prefix cache
@@ -244,6 +248,12 @@ CONFIGS = {
             persistent=True,
         ),
         Config(
+            "kvconn-mooncake-split",
+            "kvconn, Mooncake, client kept, idle loads on step",
+            "TimedKvconnConnector",
+            persistent=True,
+        ),
+        Config(
             "mooncake", "MooncakeStoreConnector", "TimedMooncakeStoreConnector", persistent=True
         ),
         # vLLM's offload tiers under its prefix cache, in the engine's own memory: tried
@@ -282,7 +292,9 @@ REDIS_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 #: The configurations served by the run's Mooncake master and storage process.
-MOONCAKE_CONFIGS = frozenset({"mooncake", "kvconn-mooncake", "kvconn-mooncake-keptcore"})
+MOONCAKE_CONFIGS = frozenset(
+    {"mooncake", "kvconn-mooncake", "kvconn-mooncake-keptcore", "kvconn-mooncake-split"}
+)
 
 #: Variants that answer one question each, run when named: a default run stays the
 #: connectors a deployment would choose between.
@@ -295,6 +307,7 @@ ON_REQUEST = (
     "kvconn-lmdb-bare",
     *REDIS_VARIANTS,
     "kvconn-mooncake-keptcore",
+    "kvconn-mooncake-split",
 )
 
 #: Stall variants: the measured request decodes alone with no connector, or beside
@@ -792,6 +805,8 @@ class Runner:
             extra = self.kvconn_extra("mooncake", {})
         elif config == "kvconn-mooncake-keptcore":  # the same store, keys of its own
             extra = self.kvconn_extra("mooncake", {}) | {"namespace": "keptcore"}
+        elif config == "kvconn-mooncake-split":
+            extra = self.kvconn_extra("mooncake", {}) | {"namespace": "split"}
         elif config == "kvconn-slow":
             extra = self.kvconn_extra("lmdb-slow", {**lmdb, "delay_s": self.args.delay_ms / 1000})
         elif config == "kvconn-silent":
@@ -851,8 +866,10 @@ class Runner:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
         if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
-        if config == "kvconn-mooncake-keptcore":
+        if config in ("kvconn-mooncake-keptcore", "kvconn-mooncake-split"):
             env["BENCH_KVCONN_CONNECT_ON_KEPT"] = "1"
+        if config == "kvconn-mooncake-split":
+            env["BENCH_KVCONN_IDLE_LOADS_MOVE"] = "1"
         if config == "kvconn-lmdb-reportwait":
             env["BENCH_KVCONN_WAIT_AFTER_REPORT"] = "1"
         if config == "kvconn-lmdb-keptloads":

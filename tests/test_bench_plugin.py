@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,11 @@ from kvconn.config import ConnectorConfig
 from kvconn.connector import Connector
 from kvconn.integrity import PageChecksum
 from kvconn.movement import scatter_host_pages
-from kvconn.tools.models import get_preset
+from kvconn.tools.models import get_preset, minimax_m3
+from kvconn.transfer import TransferService
 
-from .helpers import fill_pool
+from .fakes import DictBackend
+from .helpers import fill_pool, tp_group
 
 
 def records(directory: Path) -> list[dict[str, Any]]:
@@ -107,3 +110,25 @@ def test_each_garbage_collection_is_one_record_even_inside_another_record(
     found = [r for r in records(tmp_path) if r["m"] == "gc"]
     assert [r["gen"] for r in found] == [1, 2]
     assert all(r["dt"] >= 0 and r["tid"] == threading.get_native_id() for r in found)
+
+
+def test_the_split_variant_moves_idle_loads_over_a_client_with_io_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvconn-mooncake-split measures idle loads on the step's core over Mooncake, which
+    ``Capabilities.io_threads`` otherwise keeps on the kept core."""
+
+    class Threaded(DictBackend):
+        capabilities = replace(DictBackend.capabilities, io_threads=True)
+
+    monkeypatch.setattr(TransferService, "__init__", TransferService.__init__)
+    kept = {max(os.sched_getaffinity(0))}
+    (conn,) = tp_group(minimax_m3(tp_size=1), Threaded())
+    before = TransferService(conn, cpus=kept)
+    plugin._idle_loads_move()
+    after = TransferService(conn, cpus=kept)
+    try:
+        assert not before._idle_moves and after._idle_moves
+    finally:
+        before.close()
+        after.close()

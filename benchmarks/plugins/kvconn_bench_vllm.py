@@ -451,6 +451,24 @@ def _connect_on_the_kept_core() -> None:
     adapter.connecting_on = on_the_kept_core
 
 
+def _idle_loads_move() -> None:
+    """kvconn-mooncake-split: a load submitted while the engine idles goes to the step's
+    cores over any backend, one whose client has I/O threads of its own too
+    (``Capabilities.io_threads``, which keeps Mooncake's loads on the kept core), for a
+    run where those threads are moved off the step's core."""
+    try:
+        transfer: Any = importlib.import_module("kvconn.transfer")
+    except ImportError:
+        return
+    init = transfer.TransferService.__init__
+
+    def init_moving_idle_loads(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._idle_moves = self.cpus is not None and self.connector.config.transfer_cpus == "auto"
+
+    transfer.TransferService.__init__ = init_moving_idle_loads
+
+
 def _wait_after_report() -> None:
     """kvconn-lmdb-reportwait: an idle step waits as the adapter did before 2026-12-06,
     the whole ``idle_wait_s`` on a rank with no load in flight even right after it
@@ -487,6 +505,8 @@ if os.environ.get("BENCH_KVCONN_LOADS_ON_KEPT"):
     _loads_on_the_kept_core()
 if os.environ.get("BENCH_KVCONN_CONNECT_ON_KEPT"):
     _connect_on_the_kept_core()
+if os.environ.get("BENCH_KVCONN_IDLE_LOADS_MOVE"):
+    _idle_loads_move()
 if os.environ.get("BENCH_KVCONN_WAIT_AFTER_REPORT"):
     _wait_after_report()
 if os.environ.get("BENCH_KVCONN_TIMINGS"):
