@@ -43,12 +43,11 @@ of five rounds; docs/performance.md, "Loads on the step's core while it idles"),
 that core has nothing else to do until the load is done. Loads submitted beside other
 work, and every save, stay on :attr:`cpus`. So does every load where the configuration
 names the CPUs (``transfer_cpus = "6-7"``: the user's placement is kept), and every load
-over a backend whose
-client moves bytes on I/O threads of its own (``Capabilities.io_threads``: Mooncake's
-transfer engine, whose threads run on the step's core): there the load thread took
-turns with them, and the hit came 1.18x MooncakeStoreConnector's against 0.93x with the
-load on the kept core (docs/performance.md, "Idle loads over Mooncake back on the kept
-core").
+over a backend whose client moves bytes on I/O threads of its own
+(``Capabilities.io_threads``: Mooncake's transfer engine, whose threads run on the
+step's core): there the load thread took turns with them, and the hit came 1.18x
+MooncakeStoreConnector's, against 0.86-0.93x with the load on the kept core
+(docs/performance.md, "Idle loads over Mooncake back on the kept core").
 """
 
 from __future__ import annotations
