@@ -34,6 +34,12 @@ class KvconnRecords(logging.Handler):
         return [r.getMessage() for r in self.records if r.levelno == level]
 
 
+def native_threads() -> set[int]:
+    """This process's threads as the kernel lists them: a native client's too, which
+    ``threading.enumerate`` does not see."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
 def fill_pool(layout: KvLayout, rank: int, pools: list[torch.Tensor], salt: int = 0) -> None:
     """Every (region, slot) gets bytes from its layer, role, shard and slot: replicas agree.
 

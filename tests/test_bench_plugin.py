@@ -117,18 +117,27 @@ def test_the_split_variant_moves_idle_loads_over_a_client_with_io_threads(
 ) -> None:
     """kvconn-mooncake-split measures idle loads on the step's core over Mooncake, which
     ``Capabilities.io_threads`` otherwise keeps on the kept core."""
+    from kvconn_mooncake import MooncakeBackend
 
-    class Threaded(DictBackend):
-        capabilities = replace(DictBackend.capabilities, io_threads=True)
-
-    monkeypatch.setattr(TransferService, "__init__", TransferService.__init__)
+    declared = MooncakeBackend.capabilities
+    monkeypatch.setattr(MooncakeBackend, "capabilities", declared)
     kept = {max(os.sched_getaffinity(0))}
-    (conn,) = tp_group(minimax_m3(tp_size=1), Threaded())
-    before = TransferService(conn, cpus=kept)
+
+    def service() -> TransferService:
+        flag = MooncakeBackend.capabilities.io_threads
+
+        class LikeMooncake(DictBackend):
+            capabilities = replace(DictBackend.capabilities, io_threads=flag)
+
+        (conn,) = tp_group(minimax_m3(tp_size=1), LikeMooncake())
+        return TransferService(conn, cpus=kept)
+
+    before = service()
     plugin._idle_loads_move()
-    after = TransferService(conn, cpus=kept)
+    after = service()
     try:
         assert not before._idle_moves and after._idle_moves
+        assert replace(MooncakeBackend.capabilities, io_threads=True) == declared
     finally:
         before.close()
         after.close()

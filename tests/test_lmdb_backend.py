@@ -20,6 +20,7 @@ from kvconn.errors import BackendError, ConfigError
 from kvconn.registry import load_backend
 from kvconn.testing import BackendTests, ExactReadStatusTests
 from kvconn.testing.processes import rank_context, start
+from tests.helpers import native_threads
 
 
 # the map holds every value this machine stores: a stored value is never unreachable
@@ -33,13 +34,13 @@ class TestLmdbConformance(BackendTests, ExactReadStatusTests):
 
 def test_the_store_moves_bytes_on_the_calling_thread_and_declares_no_io_threads(tmp_path):
     """So an idle step's loads may run on the step's own core (kvconn.transfer)."""
-    before = set(os.listdir("/proc/self/task"))
+    before = native_threads()
     backend = LmdbBackend(str(tmp_path / "kv"))
     try:
         assert backend.put(["k"], [b"v" * 4096]) == [True]
         out = bytearray(4096)
         assert backend.get(["k"], [out]) == [True] and bytes(out) == b"v" * 4096
-        assert set(os.listdir("/proc/self/task")) <= before
+        assert native_threads() <= before
         assert not LmdbBackend.capabilities.io_threads
     finally:
         backend.close()

@@ -42,7 +42,7 @@ from kvconn.testing.suite import require_or_skip
 from kvconn.tools.devserver._ports import free_port
 from kvconn.tools.devserver.mooncake import MooncakeCluster
 from kvconn.tools.models import minimax_m3
-from tests.helpers import slot_bytes
+from tests.helpers import native_threads, slot_bytes
 
 pytestmark = pytest.mark.server
 
@@ -253,16 +253,12 @@ def prefix() -> str:
     return f"mc/{uuid.uuid4().hex}"
 
 
-def _native_threads() -> set[int]:
-    return {int(tid) for tid in os.listdir("/proc/self/task")}
-
-
 def test_the_client_starts_io_threads_of_its_own_as_it_declares(cluster: MooncakeCluster) -> None:
     """``io_threads`` keeps an idle step's loads off the step's core, where these run."""
-    before = _native_threads()
+    before = native_threads()
     opened = _open(_options(cluster))
     try:
-        started = _native_threads() - before
+        started = native_threads() - before
         python = {t.native_id for t in threading.enumerate()}
         assert started - python, "opening the client started no threads of its own"
         assert type(opened).capabilities.io_threads

@@ -453,20 +453,15 @@ def _connect_on_the_kept_core() -> None:
 
 def _idle_loads_move() -> None:
     """kvconn-mooncake-split: a load submitted while the engine idles goes to the step's
-    cores over any backend, one whose client has I/O threads of its own too
-    (``Capabilities.io_threads``, which keeps Mooncake's loads on the kept core), for a
-    run where those threads are moved off the step's core."""
+    cores over Mooncake too, as over LMDB, for a run where the client's threads are moved
+    off the step's core: Mooncake declares no ``Capabilities.io_threads``, the flag that
+    keeps its loads on the kept core, and the transfer service's own rule does the rest."""
     try:
-        transfer: Any = importlib.import_module("kvconn.transfer")
+        mooncake: Any = importlib.import_module("kvconn_mooncake")
     except ImportError:
         return
-    init = transfer.TransferService.__init__
-
-    def init_moving_idle_loads(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self._idle_moves = self.cpus is not None and self.connector.config.transfer_cpus == "auto"
-
-    transfer.TransferService.__init__ = init_moving_idle_loads
+    backend = mooncake.MooncakeBackend
+    backend.capabilities = dataclasses.replace(backend.capabilities, io_threads=False)
 
 
 def _wait_after_report() -> None:
