@@ -864,6 +864,76 @@ def test_puts_placed_on_a_dead_storage_process_are_stored_on_a_live_one(
             backend.close()
 
 
+class _PlacedOnTheDead:
+    """The real client, but its first puts answer ``-800`` for the keys a test names, as
+    when the master placed them on a dead storage process (nothing is stored)."""
+
+    def __init__(self, store: Any, fail: list[set[str]]) -> None:
+        self._store = store
+        self.fail = fail
+        #: (keys, preferred segments) of each put
+        self.puts: list[tuple[list[str], list[str]]] = []
+
+    def batch_put_from(
+        self, keys: list[str], addresses: list[int], sizes: list[int], config: Any
+    ) -> list[int]:
+        self.puts.append((list(keys), list(config.preferred_segments)))
+        failing = self.fail.pop(0) if self.fail else set()
+        kept = [i for i, key in enumerate(keys) if key not in failing]
+        landed = iter(
+            self._store.batch_put_from(
+                [keys[i] for i in kept],
+                [addresses[i] for i in kept],
+                [sizes[i] for i in kept],
+                config,
+            )
+            if kept
+            else []
+        )
+        return [-800 if k in failing else next(landed) for k in keys]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_batch_that_lands_nowhere_in_a_new_client_is_put_again_where_the_master_chooses(
+    backend: Any, prefix: str, cluster: MooncakeCluster
+) -> None:
+    """No key landed and no batch landed lately: no segment is known alive. The keys are
+    put again once, where the master chooses; those that land there name the segment the
+    rest go to. Before, the whole batch was dropped."""
+    keys = [f"{prefix}/{i}" for i in range(8)]
+    values = [_value(i, 64 * 1024) for i in range(8)]
+    real = backend._session.store
+    scripted = backend._session.store = _PlacedOnTheDead(real, [set(keys), set(keys[4:])])
+    try:
+        assert backend.put(keys, values) == [True] * 8
+    finally:
+        backend._session.store = real
+    (first, none), (blind, also_none), (last, preferred) = scripted.puts
+    assert first == blind == keys and none == also_none == []
+    assert last == keys[4:] and preferred == list(cluster.segments())
+    assert backend.counters["put_rerouted"] == 8 and backend.counters["put_failed"] == 0
+    buffers = [bytearray(len(v)) for v in values]
+    assert backend.get(keys, buffers, scratch=True) == [True] * 8
+    assert [bytes(b) for b in buffers] == values
+
+
+def test_a_batch_that_lands_nowhere_twice_is_dropped_and_counted(backend: Any, prefix: str) -> None:
+    """The second placement is the last blind one: a store every put of which needs the
+    dead process (two replicas, two segments) costs one retry, not one per key."""
+    keys = [f"{prefix}/{i}" for i in range(4)]
+    real = backend._session.store
+    scripted = backend._session.store = _PlacedOnTheDead(real, [set(keys), set(keys)])
+    try:
+        assert backend.put(keys, [b"v" * 64] * 4) == [False] * 4
+    finally:
+        backend._session.store = real
+    assert len(scripted.puts) == 2
+    assert backend.counters["put_failed"] == 4 and backend.counters["put_rerouted"] == 0
+    assert backend.exists(keys) == [False] * 4
+
+
 def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_untouched(
     loopback_env: None,
 ) -> None:

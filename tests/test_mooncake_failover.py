@@ -236,7 +236,7 @@ def test_failed_puts_are_retried_only_for_a_transfer_failure_and_witnessed_by_la
 
 def test_puts_are_rerouted_to_segments_seen_alive_or_recently_seen_never_to_a_dead_one() -> None:
     reroute = Reroute()
-    assert reroute.segments([], set()) == []  # nothing known alive: do not retry
+    assert reroute.segments([], set()) == []  # nothing known alive: no segment to prefer
     assert reroute.segments([B, A, B], set()) == [A, B]
     assert reroute.segments([], set()) == [A, B]  # a batch none of whose keys landed
     assert reroute.segments([], {A}) == [B]  # a read found A dead meanwhile

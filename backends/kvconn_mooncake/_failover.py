@@ -19,7 +19,8 @@ puts again). Its answers are data, and it calls nothing of the layers above it:
 * a read whose copies lie partly on an endpoint known to fail skips the client, which
   might pick that copy, and goes straight to a live copy (:func:`bypass_client`);
 * puts that failed with ``-800`` are put once more preferring the segments that took
-  the batch's other keys, or a recent batch's (:class:`Reroute`).
+  the batch's other keys, or a recent batch's; with neither, once where the master
+  chooses, and the rest then where those landed (:class:`Reroute`).
 
 Keys whose only copy is gone, or every copy, read ``UNREACHABLE``: a failed load that
 the engine recomputes, of a page that is kept (its bytes are not at fault; another copy
@@ -115,8 +116,11 @@ class Reroute:
     batch's) are alive, so the failed keys are put once more preferring those
     (``preferred_segments``, a hint: a wrong guess only means a random placement
     again). Measured with one of two storage processes killed: about half a batch
-    failed, every retried key was stored. With ``replica_num`` 2 and two segments every
-    put needs the dead one: nothing lands, and nothing is retried.
+    failed, every retried key was stored. A batch none of whose keys landed, in a
+    client that has seen no batch land lately, knows no live segment: it is put again
+    once where the master chooses, and whatever lands there witnesses for the rest.
+    With ``replica_num`` 2 and two segments every put needs the dead one: nothing
+    lands, the second placement neither, and nothing more is retried.
     """
 
     def __init__(self, remember_s: float = AVOID_S) -> None:
@@ -141,7 +145,7 @@ class Reroute:
         ``seen`` is remembered for ``remember_s``, so a batch none of whose keys landed
         can use the last answer. Endpoints a read found dead (``avoid``) are left out: a
         key that was already stored, answered as landed, may have its copy on the dead
-        one. Empty: nothing is known alive, do not retry.
+        one. Empty: nothing is known alive, no segment to prefer.
         """
         now = time.monotonic()
         live = sorted(set(seen))

@@ -429,12 +429,33 @@ class Transfers:
     ) -> list[int]:
         """Put once more, on segments known alive, the keys placed on a dead storage
         process (their transfer failed, ``-800``); which segments, the policy says
-        (:class:`Reroute`). Asking where the landed keys lie fails softly: the put it
-        serves has partly succeeded already."""
+        (:class:`Reroute`).
+
+        When nothing is known alive (a client's first batch after a death, every key of
+        it placed on the dead process), the keys are put again once where the master
+        chooses: those that land name live segments for the rest. Without it such a
+        batch was lost whole, and so was every batch until another one landed.
+        """
         session = self.session
         config = session.config.replicate_config(session.mc)
         if not hasattr(config, "preferred_segments"):
             return results
+        batch = (keys, addresses, sizes)
+        live = self._live_segments(store, keys, results)
+        if not live:
+            results = self._put_again(store, batch, results, self._replicate)
+            if codes.TRANSFER_FAIL not in results:
+                return results
+            live = self._live_segments(store, keys, results)
+            if not live:
+                return results
+        config.preferred_segments = live
+        return self._put_again(store, batch, results, config)
+
+    def _live_segments(self, store: Any, keys: list[str], results: list[int]) -> list[str]:
+        """Segments to prefer for a batch's failed puts (:meth:`Reroute.segments`), from
+        where its landed keys lie. Asking fails softly: the put it serves has partly
+        succeeded already."""
         witnesses = Reroute.witnesses(keys, results)
         seen: list[str] = []
         if witnesses:
@@ -443,15 +464,23 @@ class Transfers:
             except BackendError:
                 described = {}
             seen = [c.endpoint for found in described.values() for c in found.copies]
-        reader = session.reader
-        live = self._reroute.segments(
+        reader = self.session.reader
+        return self._reroute.segments(
             seen, reader.failed_endpoints() if reader is not None else set()
         )
-        if not live:
-            return results
-        config.preferred_segments = live
+
+    def _put_again(
+        self,
+        store: Any,
+        batch: tuple[list[str], list[int], list[int]],
+        results: list[int],
+        config: Any,
+    ) -> list[int]:
+        """``results`` with the keys of ``batch`` (keys, addresses, sizes) whose transfer
+        failed put once more under ``config``."""
+        keys, addresses, sizes = batch
         retry = Reroute.failed(results)
-        again = session.moved_codes(
+        again = self.session.moved_codes(
             "put",
             store.batch_put_from,
             [keys[i] for i in retry],
