@@ -43,7 +43,7 @@ from typing import Any
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
+from kvconn.tools.devserver.mooncake import MooncakeCluster, ready_to_benchmark
 
 MiB = 2**20
 
@@ -90,10 +90,7 @@ def interleaved(variants: Variants, calls: int, samples: dict[str, list[float]])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    keep_transfers_on_loopback()
-    problem = MooncakeCluster.available()
-    if problem:
-        print(f"cannot run: {problem}", file=sys.stderr)
+    if not ready_to_benchmark():
         return 2
     size, batch = args.value_kib * 1024, args.batch
     span = size * batch

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
+from kvconn.tools.devserver.mooncake import MooncakeCluster, ready_to_benchmark
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,10 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    keep_transfers_on_loopback()
-    problem = MooncakeCluster.available()
-    if problem:
-        print(f"cannot run: {problem}", file=sys.stderr)
+    if not ready_to_benchmark():
         return 2
     with MooncakeCluster(storage_processes=1, segment_size=64 * 2**20) as cluster:
         options: dict[str, Any] = {**cluster.options, "read_env": False}

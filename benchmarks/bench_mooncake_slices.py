@@ -42,7 +42,7 @@ import numpy as np
 
 from kvconn.backend import VettedKeys
 from kvconn.registry import load_backend
-from kvconn.tools.devserver.mooncake import MooncakeCluster, keep_transfers_on_loopback
+from kvconn.tools.devserver.mooncake import MooncakeCluster, ready_to_benchmark
 
 MiB = 2**20
 TRAILER = 8
@@ -218,10 +218,7 @@ def pool(args: argparse.Namespace, raw: Any) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    keep_transfers_on_loopback()
-    problem = MooncakeCluster.available()
-    if problem:
-        print(f"cannot run: {problem}", file=sys.stderr)
+    if not ready_to_benchmark():
         return 2
     room = 2 * args.keys * args.value_kib * 1024 + 4 * args.pages * 2 * args.layers * (
         args.piece_kib * 1024 + TRAILER

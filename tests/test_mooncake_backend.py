@@ -23,7 +23,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -896,6 +896,25 @@ class _PlacedOnTheDead:
         return getattr(self._store, name)
 
 
+def _value_of(key: str) -> bytes:
+    return key.encode() * 2
+
+
+def _put_placed(
+    backend: Any, fail: list[set[str]], *batches: list[str]
+) -> tuple[list[Sequence[bool]], list[tuple[list[str], list[str]]]]:
+    """Put each batch in turn (each key's value :func:`_value_of` it) through a client
+    whose first puts fail the keys ``fail`` names; what each put answered, and every
+    put the client made as (keys, preferred segments)."""
+    real = backend._session.store
+    scripted = backend._session.store = _PlacedOnTheDead(real, fail)
+    try:
+        answers = [backend.put(keys, [_value_of(k) for k in keys]) for keys in batches]
+    finally:
+        backend._session.store = real
+    return answers, scripted.puts
+
+
 def test_a_batch_that_lands_nowhere_in_a_new_client_is_put_again_where_the_master_chooses(
     backend: Any, prefix: str, cluster: MooncakeCluster
 ) -> None:
@@ -903,35 +922,50 @@ def test_a_batch_that_lands_nowhere_in_a_new_client_is_put_again_where_the_maste
     put again once, where the master chooses; those that land there name the segment the
     rest go to. Before, the whole batch was dropped."""
     keys = [f"{prefix}/{i}" for i in range(8)]
-    values = [_value(i, 64 * 1024) for i in range(8)]
-    real = backend._session.store
-    scripted = backend._session.store = _PlacedOnTheDead(real, [set(keys), set(keys[4:])])
-    try:
-        assert backend.put(keys, values) == [True] * 8
-    finally:
-        backend._session.store = real
-    (first, none), (blind, also_none), (last, preferred) = scripted.puts
-    assert first == blind == keys and none == also_none == []
-    assert last == keys[4:] and preferred == list(cluster.segments())
+    answers, puts = _put_placed(backend, [set(keys), set(keys[4:])], keys)
+    assert answers == [[True] * 8]
+    assert puts == [(keys, []), (keys, []), (keys[4:], list(cluster.segments()))]
     assert backend.counters["put_rerouted"] == 8 and backend.counters["put_failed"] == 0
-    buffers = [bytearray(len(v)) for v in values]
+    buffers = [bytearray(len(_value_of(k))) for k in keys]
     assert backend.get(keys, buffers, scratch=True) == [True] * 8
-    assert [bytes(b) for b in buffers] == values
+    assert [bytes(b) for b in buffers] == [_value_of(k) for k in keys]
 
 
-def test_a_batch_that_lands_nowhere_twice_is_dropped_and_counted(backend: Any, prefix: str) -> None:
-    """The second placement is the last blind one: a store every put of which needs the
-    dead process (two replicas, two segments) costs one retry, not one per key."""
+def test_a_batch_that_lands_nowhere_twice_is_dropped_and_later_ones_are_not_placed_again(
+    backend: Any, prefix: str
+) -> None:
+    """When the second placement lands nowhere either, every placement needs the dead
+    process (two replicas, two segments): each try costs a transfer timeout, so the
+    batches after it are not placed again for a while. One extra put, not one per
+    batch."""
     keys = [f"{prefix}/{i}" for i in range(4)]
-    real = backend._session.store
-    scripted = backend._session.store = _PlacedOnTheDead(real, [set(keys), set(keys)])
-    try:
-        assert backend.put(keys, [b"v" * 64] * 4) == [False] * 4
-    finally:
-        backend._session.store = real
-    assert len(scripted.puts) == 2
-    assert backend.counters["put_failed"] == 4 and backend.counters["put_rerouted"] == 0
-    assert backend.exists(keys) == [False] * 4
+    later = [f"{prefix}/later/{i}" for i in range(4)]
+    fail = [set(keys), set(keys), set(later), set(later)]
+    answers, puts = _put_placed(backend, fail, keys, later)
+    assert answers == [[False] * 4, [False] * 4]
+    assert [put for put, _ in puts] == [keys, keys, later]
+    assert backend.counters["put_failed"] == 8 and backend.counters["put_rerouted"] == 0
+    assert backend.exists(keys + later) == [False] * 8
+
+
+@pytest.mark.parametrize("steered_lands", [True, False], ids=["lands", "lands-nowhere"])
+def test_after_a_reroute_new_batches_prefer_the_live_segments_from_their_first_put(
+    backend: Any, prefix: str, cluster: MooncakeCluster, steered_lands: bool
+) -> None:
+    """A first put the master places on a dead process waits out a transfer timeout
+    (~1 s) before its reroute: while the death is recent, new batches are steered. The
+    segments remembered alive may have died since: a steered put none of whose keys
+    landed drops them, and is put again where the master chooses."""
+    first = [f"{prefix}/first/{i}" for i in range(8)]
+    steered = [f"{prefix}/steered/{i}" for i in range(8)]
+    fail = [set(first[4:]), set()] + ([] if steered_lands else [set(steered)])
+    answers, puts = _put_placed(backend, fail, first, steered)
+    assert answers == [[True] * 8, [True] * 8]
+    live = list(cluster.segments())
+    expected = [(first, []), (first[4:], live), (steered, live)]
+    assert puts == expected + ([] if steered_lands else [(steered, [])])
+    assert backend.counters["put_rerouted"] == (4 if steered_lands else 12)
+    assert backend.exists(first + steered) == [True] * 16
 
 
 def test_without_read_failover_a_dead_copy_fails_its_reads_and_leaves_buffers_untouched(

@@ -243,6 +243,31 @@ def test_puts_are_rerouted_to_segments_seen_alive_or_recently_seen_never_to_a_de
     assert reroute.segments([C], {A}) == [C]  # a fresh answer replaces the last one
 
 
+def test_new_batches_are_steered_only_while_a_reroute_is_remembered() -> None:
+    reroute = Reroute()
+    assert reroute.steer(set()) == []  # no death seen: the master places freely
+    reroute.segments([B, A], set())
+    assert reroute.steer(set()) == [A, B]
+    assert reroute.steer({A}) == [B]
+    reroute.forget()
+    assert reroute.steer(set()) == []
+    brief = Reroute(remember_s=0.0)
+    brief.segments([A], set())
+    assert brief.steer(set()) == []
+
+
+def test_a_placement_anywhere_that_landed_nothing_is_not_tried_again_for_a_while() -> None:
+    reroute = Reroute()
+    assert reroute.place_anywhere()
+    reroute.placed_anywhere(landed=True)
+    assert reroute.place_anywhere()
+    reroute.placed_anywhere(landed=False)
+    assert not reroute.place_anywhere()
+    quick = Reroute(remember_s=0.0)
+    quick.placed_anywhere(landed=False)
+    assert quick.place_anywhere()
+
+
 def test_segments_seen_alive_are_forgotten_after_a_while() -> None:
     reroute = Reroute(remember_s=0.0)
     assert reroute.segments([A], set()) == [A]

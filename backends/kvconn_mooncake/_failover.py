@@ -20,7 +20,8 @@ puts again). Its answers are data, and it calls nothing of the layers above it:
   might pick that copy, and goes straight to a live copy (:func:`bypass_client`);
 * puts that failed with ``-800`` are put once more preferring the segments that took
   the batch's other keys, or a recent batch's; with neither, once where the master
-  chooses, and the rest then where those landed (:class:`Reroute`).
+  chooses, and the rest then where those landed; while a reroute is recent, new
+  batches prefer its live segments from the start (:class:`Reroute`).
 
 Keys whose only copy is gone, or every copy, read ``UNREACHABLE``: a failed load that
 the engine recomputes, of a page that is kept (its bytes are not at fault; another copy
@@ -120,7 +121,9 @@ class Reroute:
     client that has seen no batch land lately, knows no live segment: it is put again
     once where the master chooses, and whatever lands there witnesses for the rest.
     With ``replica_num`` 2 and two segments every put needs the dead one: nothing
-    lands, the second placement neither, and nothing more is retried.
+    lands, the second placement neither, and no batch is placed anywhere again for
+    ``remember_s`` (:meth:`place_anywhere`). Once a reroute has seen live segments,
+    new batches prefer them from their first put for ``remember_s`` (:meth:`steer`).
     """
 
     def __init__(self, remember_s: float = AVOID_S) -> None:
@@ -128,6 +131,9 @@ class Reroute:
         #: Segments puts landed on lately, and until when to trust that. Threads replace
         #: the pair whole and read it once, so they never mix two.
         self._live: tuple[list[str], float] = ([], 0.0)
+        #: Until when a put again where the master chooses is not worth its timeout: the
+        #: last one landed nothing (every placement needs the dead process).
+        self._anywhere_futile_until = 0.0
 
     @staticmethod
     def failed(results: Sequence[int]) -> list[int]:
@@ -147,12 +153,37 @@ class Reroute:
         key that was already stored, answered as landed, may have its copy on the dead
         one. Empty: nothing is known alive, no segment to prefer.
         """
-        now = time.monotonic()
         live = sorted(set(seen))
-        if live:
-            self._live = (live, now + self.remember_s)
-        else:
-            recent, until = self._live
-            if until > now:
-                live = recent
+        if not live:
+            return self.steer(avoid)
+        self._live = (live, time.monotonic() + self.remember_s)
         return [endpoint for endpoint in live if endpoint not in avoid]
+
+    def steer(self, avoid: set[str]) -> list[str]:
+        """The segments a batch's first put prefers: those seen alive since a put
+        failed, while remembered, less ``avoid``. Empty (no death seen lately): the
+        master places freely.
+
+        A first put the master places on the dead process waits out a transfer timeout
+        (~1 s measured, for every batch after the first) before it is rerouted; steered,
+        the batches after a reroute land at once for as long as the death is recent.
+        """
+        recent, until = self._live
+        if until <= time.monotonic():
+            return []
+        return [endpoint for endpoint in recent if endpoint not in avoid]
+
+    def forget(self) -> None:
+        """Drop the segments remembered alive: a put steered to them landed nowhere."""
+        self._live = ([], 0.0)
+
+    def place_anywhere(self) -> bool:
+        """Whether to put a batch that knows no live segment again where the master
+        chooses. Not for ``remember_s`` after such a put landed nothing: with
+        ``replica_num`` 2 on two segments every placement needs the dead process, and
+        each try waits out a transfer timeout (measured ~1 s) to fail again."""
+        return time.monotonic() >= self._anywhere_futile_until
+
+    def placed_anywhere(self, landed: bool) -> None:
+        """Record how a put where the master chose went: ``landed`` any key or none."""
+        self._anywhere_futile_until = 0.0 if landed else time.monotonic() + self.remember_s

@@ -134,6 +134,7 @@ class Transfers:
         unique = [places[0] for places in positions(keys).values()]  # the first writer wins
         stored: dict[str, bool] = {}
         session = self.session
+        config = self._put_config()
         store = session.enter()
         try:
             for round_ in self.memory.plan([values[i] for i in unique]):
@@ -146,10 +147,12 @@ class Transfers:
                             if offset >= 0:
                                 area[offset : offset + values[i].nbytes] = values[i]
                     results = session.moved_codes(
-                        "put", store.batch_put_from, round_keys, addresses, sizes, self._replicate
+                        "put", store.batch_put_from, round_keys, addresses, sizes, config
                     )
                     if codes.TRANSFER_FAIL in results:
-                        results = self._reroute_puts(store, round_keys, addresses, sizes, results)
+                        results = self._reroute_puts(
+                            store, (round_keys, addresses, sizes), results, config
+                        )
                 copied = sum(1 for offset in round_.offsets if offset >= 0)
                 self.counters.merge({"put_zero_copy": len(batch) - copied, "put_scratch": copied})
                 for key, code in zip(round_keys, results):
@@ -419,31 +422,55 @@ class Transfers:
             log.debug("kvconn: mooncake get of %r failed: no live copy to read", read.key)
         read.settle(status, outcome)
 
+    def _avoid(self) -> set[str]:
+        """Endpoints a read found dead lately (none without read fail-over)."""
+        reader = self.session.reader
+        return reader.failed_endpoints() if reader is not None else set()
+
+    def _put_config(self) -> Any:
+        """How a put's first try places its keys: freely, or while a storage death is
+        recent, preferring the segments its reroutes saw alive (:meth:`Reroute.steer`)."""
+        live = self._reroute.steer(self._avoid())
+        if not live:
+            return self._replicate
+        session = self.session
+        config = session.config.replicate_config(session.mc)
+        config.preferred_segments = live  # steer is only non-empty after a reroute used it
+        return config
+
     def _reroute_puts(
         self,
         store: Any,
-        keys: list[str],
-        addresses: list[int],
-        sizes: list[int],
+        batch: tuple[list[str], list[int], list[int]],
         results: list[int],
+        tried: Any,
     ) -> list[int]:
-        """Put once more, on segments known alive, the keys placed on a dead storage
-        process (their transfer failed, ``-800``); which segments, the policy says
-        (:class:`Reroute`).
+        """Put once more, on segments known alive, the keys of ``batch`` (keys, addresses,
+        sizes) placed on a dead storage process (their transfer failed, ``-800``) by the
+        first try under ``tried``; which segments, the policy says (:class:`Reroute`).
 
         When nothing is known alive (a client's first batch after a death, every key of
         it placed on the dead process), the keys are put again once where the master
         chooses: those that land name live segments for the rest. Without it such a
-        batch was lost whole, and so was every batch until another one landed.
+        batch was lost whole, and so was every batch until another one landed. When
+        that placement lands nothing, the next batches skip it for a while
+        (:meth:`Reroute.place_anywhere`). A first try steered to remembered segments
+        that landed nothing proves the memory stale: it is dropped.
         """
         session = self.session
         config = session.config.replicate_config(session.mc)
         if not hasattr(config, "preferred_segments"):
             return results
-        batch = (keys, addresses, sizes)
+        keys = batch[0]
+        if tried is not self._replicate and not Reroute.witnesses(keys, results):
+            self._reroute.forget()
         live = self._live_segments(store, keys, results)
         if not live:
+            if not self._reroute.place_anywhere():
+                return results
+            retried = Reroute.failed(results)
             results = self._put_again(store, batch, results, self._replicate)
+            self._reroute.placed_anywhere(any(results[i] in codes.PRESENT for i in retried))
             if codes.TRANSFER_FAIL not in results:
                 return results
             live = self._live_segments(store, keys, results)
@@ -464,10 +491,7 @@ class Transfers:
             except BackendError:
                 described = {}
             seen = [c.endpoint for found in described.values() for c in found.copies]
-        reader = self.session.reader
-        return self._reroute.segments(
-            seen, reader.failed_endpoints() if reader is not None else set()
-        )
+        return self._reroute.segments(seen, self._avoid())
 
     def _put_again(
         self,

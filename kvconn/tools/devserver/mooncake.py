@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -42,7 +43,7 @@ from typing import Any
 from kvconn.tools.devserver import MIN_SEGMENT_SIZE, _process, byte_size
 from kvconn.tools.devserver._ports import free_port
 
-__all__ = ["MooncakeCluster", "keep_transfers_on_loopback"]
+__all__ = ["MooncakeCluster", "keep_transfers_on_loopback", "ready_to_benchmark"]
 
 HOST = "127.0.0.1"
 DEFAULT_SEGMENT_SIZE = 256 * 2**20
@@ -75,6 +76,18 @@ def keep_transfers_on_loopback(host: str = HOST) -> None:
     benchmark's). A value already set is the caller's choice and stays.
     """
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+
+
+def ready_to_benchmark() -> bool:
+    """Prepare this process for a benchmark against throwaway clusters: its clients
+    transfer over loopback (:func:`keep_transfers_on_loopback`). False, after saying why
+    on stderr, when Mooncake's binaries are not there to start a cluster."""
+    keep_transfers_on_loopback()
+    problem = MooncakeCluster.available()
+    if problem:
+        print(f"cannot run: {problem}", file=sys.stderr)
+        return False
+    return True
 
 
 def _find_binary(name: str) -> Path | None:

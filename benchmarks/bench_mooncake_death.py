@@ -1,0 +1,114 @@
+"""Puts while a storage process is dead: what kvconn's reroute and steering are worth.
+
+Until the master drops a dead storage process's segment (``client_ttl``, 10 s by
+default) it keeps placing new objects there. A batch with a key placed there fails that
+key with ``-800``, and after the first such failure each one waits out a transfer
+timeout before it does (~1 s after the client's previous failure, measured on Mooncake
+0.3.13's TCP transport; a failure a second or more after the last is quick). The
+benchmark starts a master and two storage processes, kills one, and puts batches from
+three clients of the same store; each round runs every client's batches back to back,
+as an engine's saves come, the clients in a shuffled order:
+
+* ``no reroute`` - the keys placed on the dead process are dropped (what a client with
+  no fail-over stores);
+* ``reroute`` - they are put again on segments seen alive, but every batch's first try
+  is placed freely (kvconn before 2026-12-06's steering);
+* ``kvconn`` - as shipped: after a reroute, new batches prefer the live segments from
+  their first try while the death is recent.
+
+It prints, per variant, the median and slowest time of a batch and the keys stored.
+``--replicas 2`` with two storage processes shows the case nothing helps: every
+placement needs the dead process.
+
+Usage: ``python -m benchmarks.bench_mooncake_death [--rounds 3] [--batches 6] [--keys 8]
+[--value-kib 64] [--replicas 1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+from kvconn.registry import load_backend
+from kvconn.tools.devserver.mooncake import MooncakeCluster, ready_to_benchmark
+
+MiB = 2**20
+VARIANTS = ("no reroute", "reroute", "kvconn")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (3)")
+    parser.add_argument(
+        "--batches", type=int, default=6, help="batches per variant and round, back to back (6)"
+    )
+    parser.add_argument("--keys", type=int, default=8, help="keys per batch (8)")
+    parser.add_argument("--value-kib", type=int, default=64, help="bytes per key, KiB (64)")
+    parser.add_argument("--replicas", type=int, default=1, help="replica_num (1)")
+    args = parser.parse_args(argv)
+    if min(args.rounds, args.batches, args.keys, args.value_kib, args.replicas) < 1:
+        parser.error("--rounds, --batches, --keys, --value-kib and --replicas must be >= 1")
+    return args
+
+
+def open_variant(cluster: MooncakeCluster, variant: str, replicas: int) -> Any:
+    """A backend whose reroute is cut back to what ``variant`` names."""
+    options = {**cluster.options, "read_env": False, "replica_num": replicas}
+    backend: Any = load_backend("mooncake", options)
+    transfers = backend._transfers
+    if variant == "no reroute":
+        transfers._reroute_puts = lambda store, batch, results, tried: results
+    elif variant == "reroute":
+        transfers._reroute.steer = lambda avoid: []
+    return backend
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not ready_to_benchmark():
+        return 2
+    size = args.value_kib * 1024
+    segment = max(64 * MiB, 4 * args.rounds * args.batches * args.keys * size * args.replicas)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    stored = dict.fromkeys(VARIANTS, 0)
+    # client_ttl: the master keeps listing the dead segment for the whole run
+    with MooncakeCluster(storage_processes=2, segment_size=segment, client_ttl=600) as cluster:
+        backends = {v: open_variant(cluster, v, args.replicas) for v in VARIANTS}
+        try:
+            cluster.kill_storage(0)
+            order = list(VARIANTS)
+            for r in range(args.rounds):
+                random.shuffle(order)
+                for variant in order:  # back to back, as an engine's saves come
+                    for b in range(args.batches):
+                        name = variant.replace(" ", "-")
+                        keys = [f"{name}/{r}/{b}/{i}" for i in range(args.keys)]
+                        values = [os.urandom(size) for _ in keys]
+                        started = time.perf_counter()
+                        landed = backends[variant].put(keys, values)
+                        times[variant].append(time.perf_counter() - started)
+                        stored[variant] += sum(landed)
+        finally:
+            for backend in backends.values():
+                backend.close()
+    total = args.rounds * args.batches * args.keys
+    print(
+        f"{args.rounds} rounds of {args.batches} batches of {args.keys} x {args.value_kib} KiB "
+        f"per variant, replica_num {args.replicas}, one of two storage processes dead:"
+    )
+    print(f"{'variant':<12}{'median ms':>11}{'slowest ms':>12}{'first ms':>10}{'stored':>12}")
+    for variant in VARIANTS:
+        t = times[variant]
+        print(
+            f"{variant:<12}{statistics.median(t) * 1e3:>11.1f}{max(t) * 1e3:>12.1f}"
+            f"{t[0] * 1e3:>10.1f}{f'{stored[variant]}/{total}':>12}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

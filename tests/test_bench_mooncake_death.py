@@ -1,0 +1,28 @@
+"""The fail-over benchmark runs against a real cluster and measures what it says."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import bench_mooncake_death
+from kvconn.testing.suite import require_or_skip
+from kvconn.tools.devserver.mooncake import MooncakeCluster
+
+
+def test_the_benchmark_stores_every_key_through_kvconn_while_a_storage_process_is_dead(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_or_skip(MooncakeCluster.available())
+    assert bench_mooncake_death.main(["--rounds", "1", "--batches", "2", "--keys", "4"]) == 0
+    rows = {
+        m.group(1).strip(): (float(m.group(2)), m.group(3))
+        for m in re.finditer(
+            r"^(no reroute|reroute|kvconn)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+(\S+)$",
+            capsys.readouterr().out,
+            re.M,
+        )
+    }
+    assert set(rows) == {"no reroute", "reroute", "kvconn"}
+    assert rows["kvconn"][1] == rows["reroute"][1] == "8/8"  # every key, rerouted or steered
