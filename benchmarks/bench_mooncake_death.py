@@ -18,10 +18,10 @@ as an engine's saves come, the clients in a shuffled order:
 
 It prints, per variant, the median and slowest time of a batch and the keys stored.
 ``--replicas 2`` with two storage processes shows the case nothing helps: every
-placement needs the dead process.
+placement needs the dead process; with ``--storage 3`` two live ones can take both.
 
 Usage: ``python -m benchmarks.bench_mooncake_death [--rounds 3] [--batches 6] [--keys 8]
-[--value-kib 64] [--replicas 1]``
+[--value-kib 64] [--replicas 1] [--storage 2]``
 """
 
 from __future__ import annotations
@@ -49,9 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keys", type=int, default=8, help="keys per batch (8)")
     parser.add_argument("--value-kib", type=int, default=64, help="bytes per key, KiB (64)")
     parser.add_argument("--replicas", type=int, default=1, help="replica_num (1)")
+    parser.add_argument(
+        "--storage", type=int, default=2, help="storage processes, one of which dies (2)"
+    )
     args = parser.parse_args(argv)
     if min(args.rounds, args.batches, args.keys, args.value_kib, args.replicas) < 1:
         parser.error("--rounds, --batches, --keys, --value-kib and --replicas must be >= 1")
+    if args.storage < 2:
+        parser.error("--storage must be >= 2: one dies, the others keep the store up")
     return args
 
 
@@ -76,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     stored = dict.fromkeys(VARIANTS, 0)
     # client_ttl: the master keeps listing the dead segment for the whole run
-    with MooncakeCluster(storage_processes=2, segment_size=segment, client_ttl=600) as cluster:
+    with MooncakeCluster(
+        storage_processes=args.storage, segment_size=segment, client_ttl=600
+    ) as cluster:
         backends = {v: open_variant(cluster, v, args.replicas) for v in VARIANTS}
         try:
             cluster.kill_storage(0)
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     total = args.rounds * args.batches * args.keys
     print(
         f"{args.rounds} rounds of {args.batches} batches of {args.keys} x {args.value_kib} KiB "
-        f"per variant, replica_num {args.replicas}, one of two storage processes dead:"
+        f"per variant, replica_num {args.replicas}, one of {args.storage} storage processes dead:"
     )
     print(f"{'variant':<12}{'median ms':>11}{'slowest ms':>12}{'first ms':>10}{'stored':>12}")
     for variant in VARIANTS:
