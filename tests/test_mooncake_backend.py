@@ -896,6 +896,40 @@ class _PlacedOnTheDead:
         return getattr(self._store, name)
 
 
+def test_with_one_of_three_storage_processes_dead_both_replicas_are_steered_to_live_ones(
+    loopback_env: None,
+) -> None:
+    """After the first batch's reroute, later batches land from their first put: no more
+    reroutes, every key with its two copies on the two live processes."""
+    with MooncakeCluster(storage_processes=3, segment_size=64 * MiB, client_ttl=60) as trio:
+        backend = _open(_options(trio, replica_num=2))
+        try:
+            trio.kill_storage(0)
+            assert len(trio.segments()) == 3  # the master still lists the dead segment
+            batches = [[f"trio/{r}/{i}" for i in range(16)] for r in range(3)]
+            rerouted = []
+            for keys in batches:
+                assert backend.put(keys, [_value_of(k) for k in keys]) == [True] * 16
+                rerouted.append(backend.counters["put_rerouted"])
+            # the first batch: 16 keys, each needing two of three segments, one dead
+            assert rerouted[0] > 0 and rerouted[2] == rerouted[0], rerouted
+            keys = [k for batch in batches for k in batch]
+            store = backend._session.enter()
+            try:
+                described = backend._transfers._describe(store, keys)
+            finally:
+                backend._session.leave()
+            assert sorted(described) == sorted(keys)
+            assert {len(found.copies) for found in described.values()} == {2}
+            endpoints = {c.endpoint for found in described.values() for c in found.copies}
+            assert len(endpoints) == 2  # never the dead third
+            buffers = [bytearray(len(_value_of(k))) for k in keys]
+            assert backend.get(keys, buffers, scratch=True) == [True] * len(keys)
+            assert [bytes(b) for b in buffers] == [_value_of(k) for k in keys]
+        finally:
+            backend.close()
+
+
 def _value_of(key: str) -> bytes:
     return key.encode() * 2
 
