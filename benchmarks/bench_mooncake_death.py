@@ -67,8 +67,8 @@ def open_variant(cluster: MooncakeCluster, variant: str, replicas: int) -> Any:
     transfers = backend._transfers
     if variant == "no reroute":
         transfers._reroute_puts = lambda store, batch, results, tried: results
-    elif variant == "reroute":
-        transfers._reroute.steer = lambda avoid: []
+    elif variant == "reroute":  # first tries placed freely; reroutes as shipped
+        transfers._put_config = lambda: transfers._replicate
     return backend
 
 
