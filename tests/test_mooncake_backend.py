@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvconn_mooncake._failover import FUTILE_MISSES
 
 from kvconn.backend import ReadStatus
 from kvconn.config import ConnectorConfig
@@ -968,18 +969,33 @@ def test_a_batch_that_lands_nowhere_in_a_new_client_is_put_again_where_the_maste
 def test_a_batch_that_lands_nowhere_twice_is_dropped_and_later_ones_are_not_placed_again(
     backend: Any, prefix: str
 ) -> None:
-    """When the second placement lands nowhere either, every placement needs the dead
-    process (two replicas, two segments): each try costs a transfer timeout, so the
-    batches after it are not placed again for a while. One extra put, not one per
-    batch."""
-    keys = [f"{prefix}/{i}" for i in range(4)]
+    """When the second placement of eight keys lands nowhere either, every placement
+    needs the dead process (two replicas, two segments): each try costs a transfer
+    timeout, so the batches after it are not placed again for a while. One extra put,
+    not one per batch."""
+    keys = [f"{prefix}/{i}" for i in range(FUTILE_MISSES)]
     later = [f"{prefix}/later/{i}" for i in range(4)]
     fail = [set(keys), set(keys), set(later), set(later)]
     answers, puts = _put_placed(backend, fail, keys, later)
-    assert answers == [[False] * 4, [False] * 4]
+    assert answers == [[False] * FUTILE_MISSES, [False] * 4]
     assert [put for put, _ in puts] == [keys, keys, later]
-    assert backend.counters["put_failed"] == 8 and backend.counters["put_rerouted"] == 0
-    assert backend.exists(keys + later) == [False] * 8
+    assert backend.counters["put_failed"] == FUTILE_MISSES + 4
+    assert backend.counters["put_rerouted"] == 0
+    assert backend.exists(keys + later) == [False] * (FUTILE_MISSES + 4)
+
+
+def test_a_one_key_batch_that_lands_nowhere_twice_leaves_the_next_one_its_second_placement(
+    backend: Any, prefix: str
+) -> None:
+    """A key lands on the dead process of two half the time, twice a quarter: chance,
+    not proof that every placement needs it. The next 1-key batch is still put again
+    where the master chooses, and lands."""
+    lost, saved = [f"{prefix}/lost"], [f"{prefix}/saved"]
+    answers, puts = _put_placed(backend, [set(lost), set(lost), set(saved)], lost, saved)
+    assert answers == [[False], [True]]
+    assert puts == [(lost, []), (lost, []), (saved, []), (saved, [])]
+    assert backend.counters["put_failed"] == 1 and backend.counters["put_rerouted"] == 1
+    assert backend.exists(lost + saved) == [False, True]
 
 
 @pytest.mark.parametrize("steered_lands", [True, False], ids=["lands", "lands-nowhere"])

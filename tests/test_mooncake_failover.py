@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from kvconn_mooncake import _codes as codes
 from kvconn_mooncake._failover import (
+    FUTILE_MISSES,
     RETRY,
     Reroute,
     Verdict,
@@ -256,16 +257,44 @@ def test_new_batches_are_steered_only_while_a_reroute_is_remembered() -> None:
     assert brief.steer(set()) == []
 
 
-def test_a_placement_anywhere_that_landed_nothing_is_not_tried_again_for_a_while() -> None:
+def test_eight_keys_placed_anywhere_that_all_missed_stop_such_placements_for_a_while() -> None:
     reroute = Reroute()
     assert reroute.place_anywhere()
-    reroute.placed_anywhere(landed=True)
+    reroute.placed_anywhere(FUTILE_MISSES, landed=1)
     assert reroute.place_anywhere()
-    reroute.placed_anywhere(landed=False)
+    reroute.placed_anywhere(FUTILE_MISSES, landed=0)
     assert not reroute.place_anywhere()
     quick = Reroute(remember_s=0.0)
-    quick.placed_anywhere(landed=False)
+    quick.placed_anywhere(FUTILE_MISSES, landed=0)
     assert quick.place_anywhere()
+
+
+def test_a_small_placement_anywhere_that_landed_nothing_is_chance_not_futility() -> None:
+    """One key lands on the dead process of two half the time: misses add up to
+    :data:`FUTILE_MISSES` before placements anywhere stop, and a landing resets them."""
+    reroute = Reroute()
+    for _ in range(FUTILE_MISSES - 1):
+        reroute.placed_anywhere(1, landed=0)
+        assert reroute.place_anywhere()
+    reroute.placed_anywhere(1, landed=1)
+    for _ in range(FUTILE_MISSES - 1):
+        reroute.placed_anywhere(1, landed=0)
+    assert reroute.place_anywhere()
+    reroute.placed_anywhere(1, landed=0)
+    assert not reroute.place_anywhere()
+
+
+def test_misses_older_than_the_memory_do_not_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    clock = SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr("kvconn_mooncake._failover.time", clock)
+    reroute = Reroute(remember_s=30.0)
+    reroute.placed_anywhere(FUTILE_MISSES - 1, landed=0)
+    now[0] += 31.0
+    reroute.placed_anywhere(1, landed=0)
+    assert reroute.place_anywhere()
+    reroute.placed_anywhere(FUTILE_MISSES - 1, landed=0)
+    assert not reroute.place_anywhere()
 
 
 def test_segments_seen_alive_are_forgotten_after_a_while() -> None:

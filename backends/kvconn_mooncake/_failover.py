@@ -45,6 +45,12 @@ from kvconn_mooncake._replicas import AVOID_S, Stored
 #: suffice (each names its segment), and the question costs one RPC whatever it asks.
 WITNESSES = 8
 
+#: Keys put where the master chooses that must land nowhere, in a row, before such puts
+#: are judged futile. One key landing on the dead process of two is a coin toss, not
+#: evidence; eight in a row happen by chance once in 256 with one replica on two
+#: segments, and every time when each placement needs the dead process.
+FUTILE_MISSES = 8
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -121,8 +127,9 @@ class Reroute:
     client that has seen no batch land lately, knows no live segment: it is put again
     once where the master chooses, and whatever lands there witnesses for the rest.
     With ``replica_num`` 2 and two segments every put needs the dead one: nothing
-    lands, the second placement neither, and no batch is placed anywhere again for
-    ``remember_s`` (:meth:`place_anywhere`). Once a reroute has seen live segments,
+    lands, the second placement neither, and once :data:`FUTILE_MISSES` keys in a row
+    have landed nowhere so, no batch is placed anywhere again for ``remember_s``
+    (:meth:`place_anywhere`). Once a reroute has seen live segments,
     new batches prefer them from their first put for ``remember_s`` (:meth:`steer`).
     """
 
@@ -131,9 +138,9 @@ class Reroute:
         #: Segments puts landed on lately, and until when to trust that. Threads replace
         #: the pair whole and read it once, so they never mix two.
         self._live: tuple[list[str], float] = ([], 0.0)
-        #: Until when a put again where the master chooses is not worth its timeout: the
-        #: last one landed nothing (every placement needs the dead process).
-        self._anywhere_futile_until = 0.0
+        #: Keys put where the master chose that landed nowhere in a row, and when the
+        #: last of them failed; replaced whole like ``_live``.
+        self._anywhere: tuple[int, float] = (0, 0.0)
 
     @staticmethod
     def failed(results: Sequence[int]) -> list[int]:
@@ -179,11 +186,20 @@ class Reroute:
 
     def place_anywhere(self) -> bool:
         """Whether to put a batch that knows no live segment again where the master
-        chooses. Not for ``remember_s`` after such a put landed nothing: with
-        ``replica_num`` 2 on two segments every placement needs the dead process, and
-        each try waits out a transfer timeout (measured ~1 s) to fail again."""
-        return time.monotonic() >= self._anywhere_futile_until
+        chooses. Not for ``remember_s`` after :data:`FUTILE_MISSES` keys in a row landed
+        nowhere there: with ``replica_num`` 2 on two segments every placement needs the
+        dead process, and each try waits out a transfer timeout (measured ~1 s) to fail
+        again. Fewer misses are chance (a 1-key batch lands on the dead process of two
+        half the time) and turn nothing off."""
+        misses, last = self._anywhere
+        return misses < FUTILE_MISSES or time.monotonic() >= last + self.remember_s
 
-    def placed_anywhere(self, landed: bool) -> None:
-        """Record how a put where the master chose went: ``landed`` any key or none."""
-        self._anywhere_futile_until = 0.0 if landed else time.monotonic() + self.remember_s
+    def placed_anywhere(self, tried: int, landed: int) -> None:
+        """Record how a put of ``tried`` keys where the master chose went: ``landed`` of
+        them were stored. Misses older than ``remember_s`` no longer count. Threads may
+        lose one another's count (read, then replaced whole): a miss more or less."""
+        now = time.monotonic()
+        misses, last = self._anywhere
+        if landed or now >= last + self.remember_s:
+            misses = 0
+        self._anywhere = (0 if landed else misses + tried, now)

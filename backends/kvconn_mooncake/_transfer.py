@@ -453,8 +453,8 @@ class Transfers:
         it placed on the dead process), the keys are put again once where the master
         chooses: those that land name live segments for the rest. Without it such a
         batch was lost whole, and so was every batch until another one landed. When
-        that placement lands nothing, the next batches skip it for a while
-        (:meth:`Reroute.place_anywhere`). A first try steered to remembered segments
+        eight keys in a row placed so landed nothing, the next batches skip it for a
+        while (:meth:`Reroute.place_anywhere`). A first try steered to remembered segments
         that landed nothing proves the memory stale: it is dropped.
         """
         session = self.session
@@ -470,7 +470,8 @@ class Transfers:
                 return results
             retried = Reroute.failed(results)
             results = self._put_again(store, batch, results, self._replicate)
-            self._reroute.placed_anywhere(any(results[i] in codes.PRESENT for i in retried))
+            landed = sum(1 for i in retried if results[i] in codes.PRESENT)
+            self._reroute.placed_anywhere(len(retried), landed)
             if codes.TRANSFER_FAIL not in results:
                 return results
             live = self._live_segments(store, keys, results)
