@@ -931,6 +931,29 @@ def test_with_one_of_three_storage_processes_dead_both_replicas_are_steered_to_l
             backend.close()
 
 
+def test_steered_batches_spread_over_the_live_segments(loopback_env: None) -> None:
+    """The master puts a batch on the first preferred segment with room: the order turns
+    with every batch, so while a death is remembered the live segments share the writes
+    rather than one taking them all."""
+    with MooncakeCluster(storage_processes=3, segment_size=64 * MiB, client_ttl=60) as trio:
+        backend = _open(_options(trio))
+        try:
+            trio.kill_storage(0)
+            batches = [[f"spread/{r}/{i}" for i in range(16)] for r in range(8)]
+            for keys in batches:
+                assert backend.put(keys, [_value_of(k) for k in keys]) == [True] * 16
+            steered = [k for batch in batches[2:] for k in batch]
+            store = backend._session.enter()
+            try:
+                described = backend._transfers._describe(store, steered)
+            finally:
+                backend._session.leave()
+            held = Counter(c.endpoint for found in described.values() for c in found.copies)
+            assert len(held) == 2 and min(held.values()) >= 16, held  # a batch or more each
+        finally:
+            backend.close()
+
+
 def _value_of(key: str) -> bytes:
     return key.encode() * 2
 

@@ -10,6 +10,7 @@ so the ordering, the endpoint bookkeeping and each decision can be checked exact
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -238,8 +239,8 @@ def test_failed_puts_are_retried_only_for_a_transfer_failure_and_witnessed_by_la
 def test_puts_are_rerouted_to_segments_seen_alive_or_recently_seen_never_to_a_dead_one() -> None:
     reroute = Reroute()
     assert reroute.segments([], set()) == []  # nothing known alive: no segment to prefer
-    assert reroute.segments([B, A, B], set()) == [A, B]
-    assert reroute.segments([], set()) == [A, B]  # a batch none of whose keys landed
+    assert sorted(reroute.segments([B, A, B], set())) == [A, B]
+    assert sorted(reroute.segments([], set())) == [A, B]  # a batch none of whose keys landed
     assert reroute.segments([], {A}) == [B]  # a read found A dead meanwhile
     assert reroute.segments([C], {A}) == [C]  # a fresh answer replaces the last one
 
@@ -248,13 +249,27 @@ def test_new_batches_are_steered_only_while_a_reroute_is_remembered() -> None:
     reroute = Reroute()
     assert reroute.steer(set()) == []  # no death seen: the master places freely
     reroute.segments([B, A], set())
-    assert reroute.steer(set()) == [A, B]
+    assert sorted(reroute.steer(set())) == [A, B]
     assert reroute.steer({A}) == [B]
     reroute.forget()
     assert reroute.steer(set()) == []
     brief = Reroute(remember_s=0.0)
     brief.segments([A], set())
     assert brief.steer(set()) == []
+
+
+def test_each_answer_names_the_live_segments_first_in_turn() -> None:
+    """The master puts a batch on the first preferred segment with room: were the order
+    fixed, one live segment would take every write while a death is remembered."""
+    reroute = Reroute()
+    reroute.segments([C, A, B], set())
+    answers = [reroute.steer(set()) for _ in range(6)] + [reroute.segments([], set())]
+    rotations = [[A, B, C], [B, C, A], [C, A, B]]
+    assert all(answer in rotations for answer in answers)
+    assert Counter(answer[0] for answer in answers[:6]) == {A: 2, B: 2, C: 2}
+    assert [answers[i + 1] for i in range(6)] == [
+        rotations[(rotations.index(answer) + 1) % 3] for answer in answers[:6]
+    ]
 
 
 def test_eight_keys_placed_anywhere_that_all_missed_stop_such_placements_for_a_while() -> None:

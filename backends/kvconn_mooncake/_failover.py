@@ -33,6 +33,8 @@ whole and read once, so threads never mix two answers.
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -131,6 +133,12 @@ class Reroute:
     have landed nowhere so, no batch is placed anywhere again for ``remember_s``
     (:meth:`place_anywhere`). Once a reroute has seen live segments,
     new batches prefer them from their first put for ``remember_s`` (:meth:`steer`).
+
+    The master puts a batch's keys on the first preferred segment with room (measured
+    on 0.3.13: with three live segments preferred, 288 keys of 288 on the first), so
+    every answer names the segments in a new order, turn by turn from a random start:
+    batch after batch, writes spread over the live segments as free placement spreads
+    them, instead of filling one for ``remember_s``.
     """
 
     def __init__(self, remember_s: float = AVOID_S) -> None:
@@ -141,6 +149,8 @@ class Reroute:
         #: Keys put where the master chose that landed nowhere in a row, and when the
         #: last of them failed; replaced whole like ``_live``.
         self._anywhere: tuple[int, float] = (0, 0.0)
+        #: Which live segment the next answer names first (``next`` is atomic).
+        self._turn = itertools.count(random.randrange(1 << 16))
 
     @staticmethod
     def failed(results: Sequence[int]) -> list[int]:
@@ -164,7 +174,7 @@ class Reroute:
         if not live:
             return self.steer(avoid)
         self._live = (live, time.monotonic() + self.remember_s)
-        return [endpoint for endpoint in live if endpoint not in avoid]
+        return self._in_turn([endpoint for endpoint in live if endpoint not in avoid])
 
     def steer(self, avoid: set[str]) -> list[str]:
         """The segments a batch's first put prefers: those seen alive since a put
@@ -178,7 +188,14 @@ class Reroute:
         recent, until = self._live
         if until <= time.monotonic():
             return []
-        return [endpoint for endpoint in recent if endpoint not in avoid]
+        return self._in_turn([endpoint for endpoint in recent if endpoint not in avoid])
+
+    def _in_turn(self, segments: list[str]) -> list[str]:
+        """``segments`` rotated to start at the next one in turn."""
+        if len(segments) < 2:
+            return segments
+        first = next(self._turn) % len(segments)
+        return segments[first:] + segments[:first]
 
     def forget(self) -> None:
         """Drop the segments remembered alive: a put steered to them landed nowhere."""
