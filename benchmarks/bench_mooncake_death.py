@@ -5,18 +5,23 @@ default) it keeps placing new objects there. A batch with a key placed there fai
 key with ``-800``, and after the first such failure each one waits out a transfer
 timeout before it does (~1 s after the client's previous failure, measured on Mooncake
 0.3.13's TCP transport; a failure a second or more after the last is quick). The
-benchmark starts a master and two storage processes, kills one, and puts batches from
-three clients of the same store; each round runs every client's batches back to back,
-as an engine's saves come, the clients in a shuffled order:
+benchmark starts a master and storage processes (``--storage``, 2), kills one, and puts
+batches from one client of the same store per variant; each round runs every client's
+batches back to back, as an engine's saves come, the clients in a shuffled order:
 
 * ``no reroute`` - the keys placed on the dead process are dropped (what a client with
   no fail-over stores);
 * ``reroute`` - they are put again on segments seen alive, but every batch's first try
   is placed freely (kvconn before 2026-12-06's steering);
+* ``fixed order`` - steered, but every batch names the live segments in one order (kvconn
+  until 2026-12-06, stop 50): the master puts a batch on the first preferred segment
+  with room, so one live segment takes every steered write;
 * ``kvconn`` - as shipped: after a reroute, new batches prefer the live segments from
-  their first try while the death is recent.
+  their first try while the death is recent, naming them in a new order each batch.
 
-It prints, per variant, the median and slowest time of a batch and the keys stored.
+It prints, per variant, the median and slowest time of a batch, the keys stored, and
+the share of their copies on the busiest storage process (even: one in as many as are
+alive).
 ``--replicas 2`` with two storage processes shows the case nothing helps: every
 placement needs the dead process; with ``--storage 3`` two live ones can take both.
 
@@ -31,13 +36,14 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 from kvconn.registry import load_backend
 from kvconn.tools.devserver.mooncake import MooncakeCluster, ready_to_benchmark
 
 MiB = 2**20
-VARIANTS = ("no reroute", "reroute", "kvconn")
+VARIANTS = ("no reroute", "reroute", "fixed order", "kvconn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +75,20 @@ def open_variant(cluster: MooncakeCluster, variant: str, replicas: int) -> Any:
         transfers._reroute_puts = lambda store, batch, results, tried: results
     elif variant == "reroute":  # first tries placed freely; reroutes as shipped
         transfers._put_config = lambda: transfers._replicate
+    elif variant == "fixed order":
+        transfers._reroute._in_turn = lambda segments: segments
     return backend
+
+
+def busiest_share(backend: Any, keys: list[str]) -> float:
+    """The share of ``keys``' copies that lie on the storage process holding most."""
+    store = backend._session.enter()
+    try:
+        described = backend._transfers._describe(store, keys)
+    finally:
+        backend._session.leave()
+    held = Counter(c.endpoint for found in described.values() for c in found.copies)
+    return max(held.values()) / sum(held.values()) if held else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     size = args.value_kib * 1024
     segment = max(64 * MiB, 4 * args.rounds * args.batches * args.keys * size * args.replicas)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    stored = dict.fromkeys(VARIANTS, 0)
+    stored: dict[str, list[str]] = {v: [] for v in VARIANTS}
+    busiest = dict.fromkeys(VARIANTS, 0.0)
     # client_ttl: the master keeps listing the dead segment for the whole run
     with MooncakeCluster(
         storage_processes=args.storage, segment_size=segment, client_ttl=600
@@ -98,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                         started = time.perf_counter()
                         landed = backends[variant].put(keys, values)
                         times[variant].append(time.perf_counter() - started)
-                        stored[variant] += sum(landed)
+                        stored[variant] += [k for k, ok in zip(keys, landed) if ok]
+            busiest = {v: busiest_share(backends[v], stored[v]) for v in VARIANTS}
         finally:
             for backend in backends.values():
                 backend.close()
@@ -107,12 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds of {args.batches} batches of {args.keys} x {args.value_kib} KiB "
         f"per variant, replica_num {args.replicas}, one of {args.storage} storage processes dead:"
     )
-    print(f"{'variant':<12}{'median ms':>11}{'slowest ms':>12}{'first ms':>10}{'stored':>12}")
+    print(
+        f"{'variant':<13}{'median ms':>10}{'slowest ms':>12}{'first ms':>10}{'stored':>10}"
+        f"{'busiest':>9}"
+    )
     for variant in VARIANTS:
         t = times[variant]
         print(
-            f"{variant:<12}{statistics.median(t) * 1e3:>11.1f}{max(t) * 1e3:>12.1f}"
-            f"{t[0] * 1e3:>10.1f}{f'{stored[variant]}/{total}':>12}"
+            f"{variant:<13}{statistics.median(t) * 1e3:>10.1f}{max(t) * 1e3:>12.1f}"
+            f"{t[0] * 1e3:>10.1f}{f'{len(stored[variant])}/{total}':>10}"
+            f"{busiest[variant]:>9.0%}"
         )
     return 0
 

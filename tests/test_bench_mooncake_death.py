@@ -21,10 +21,11 @@ def test_the_benchmark_stores_every_key_through_kvconn_while_a_storage_process_i
     assert bench_mooncake_death.main(["--rounds", "1", "--batches", "2", "--keys", "16"]) == 0
     stored = dict(
         re.findall(
-            r"^(no reroute|reroute|kvconn)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)$",
+            r"^(no reroute|reroute|fixed order|kvconn)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)"
+            r"\s+\d+%$",
             capsys.readouterr().out,
             re.M,
         )
     )
-    assert set(stored) == {"no reroute", "reroute", "kvconn"}
+    assert set(stored) == {"no reroute", "reroute", "fixed order", "kvconn"}
     assert stored["kvconn"] == stored["reroute"] == "32/32"  # every key, rerouted or steered
