@@ -989,6 +989,23 @@ def test_a_batch_that_lands_nowhere_in_a_new_client_is_put_again_where_the_maste
     assert [bytes(b) for b in buffers] == [_value_of(k) for k in keys]
 
 
+def test_a_reroute_in_one_scratch_round_steers_the_next_round_of_the_same_put(
+    cluster: MooncakeCluster, prefix: str
+) -> None:
+    """A put larger than the scratch area goes in rounds, each a put of its own: once the
+    first round has met the dead process, the second does not wait out its timeout."""
+    backend = _open(_options(cluster, scratch_bytes=len(_value_of(f"{prefix}/0")) * 4))
+    try:
+        keys = [f"{prefix}/{i}" for i in range(8)]
+        answers, puts = _put_placed(backend, [set(keys[2:4])], keys)
+        assert answers == [[True] * 8]
+        live = list(cluster.segments())
+        assert puts == [(keys[:4], []), (keys[2:4], live), (keys[4:], live)]
+        assert backend.counters["put_rerouted"] == 2
+    finally:
+        backend.close()
+
+
 def test_a_batch_that_lands_nowhere_twice_is_dropped_and_later_ones_are_not_placed_again(
     backend: Any, prefix: str
 ) -> None:

@@ -134,10 +134,10 @@ class Transfers:
         unique = [places[0] for places in positions(keys).values()]  # the first writer wins
         stored: dict[str, bool] = {}
         session = self.session
-        config = self._put_config()
         store = session.enter()
         try:
             for round_ in self.memory.plan([values[i] for i in unique]):
+                config = self._put_config()  # per round: an earlier round's reroute steers
                 batch = [unique[j] for j in round_.items]
                 round_keys = [keys[i] for i in batch]
                 sizes = [values[i].nbytes for i in batch]
