@@ -27,8 +27,9 @@ Keys whose only copy is gone, or every copy, read ``UNREACHABLE``: a failed load
 the engine recomputes, of a page that is kept (its bytes are not at fault; another copy
 or the master dropping the dead segment settles it).
 
-Threads: the functions are pure; :class:`Reroute`'s one piece of state is replaced
-whole and read once, so threads never mix two answers.
+Threads: the functions are pure; each piece of :class:`Reroute`'s state is replaced
+whole and read once, so threads never mix two answers (its turn counter is an
+``itertools.count``, whose ``next`` is atomic).
 """
 
 from __future__ import annotations
