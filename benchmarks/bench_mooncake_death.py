@@ -82,11 +82,7 @@ def open_variant(cluster: MooncakeCluster, variant: str, replicas: int) -> Any:
 
 def busiest_share(backend: Any, keys: list[str]) -> float:
     """The share of ``keys``' copies that lie on the storage process holding most."""
-    store = backend._session.enter()
-    try:
-        described = backend._transfers._describe(store, keys)
-    finally:
-        backend._session.leave()
+    described = backend._transfers.describe(keys)
     held = Counter(c.endpoint for found in described.values() for c in found.copies)
     return max(held.values()) / sum(held.values()) if held else 0.0
 
@@ -99,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     segment = max(64 * MiB, 4 * args.rounds * args.batches * args.keys * size * args.replicas)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     stored: dict[str, list[str]] = {v: [] for v in VARIANTS}
-    busiest = dict.fromkeys(VARIANTS, 0.0)
     # client_ttl: the master keeps listing the dead segment for the whole run
     with MooncakeCluster(
         storage_processes=args.storage, segment_size=segment, client_ttl=600

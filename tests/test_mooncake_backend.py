@@ -915,11 +915,7 @@ def test_with_one_of_three_storage_processes_dead_both_replicas_are_steered_to_l
             # the first batch: 16 keys, each needing two of three segments, one dead
             assert rerouted[0] > 0 and rerouted[2] == rerouted[0], rerouted
             keys = [k for batch in batches for k in batch]
-            store = backend._session.enter()
-            try:
-                described = backend._transfers._describe(store, keys)
-            finally:
-                backend._session.leave()
+            described = backend._transfers.describe(keys)
             assert sorted(described) == sorted(keys)
             assert {len(found.copies) for found in described.values()} == {2}
             endpoints = {c.endpoint for found in described.values() for c in found.copies}
@@ -943,11 +939,7 @@ def test_steered_batches_spread_over_the_live_segments(loopback_env: None) -> No
             for keys in batches:
                 assert backend.put(keys, [_value_of(k) for k in keys]) == [True] * 16
             steered = [k for batch in batches[2:] for k in batch]
-            store = backend._session.enter()
-            try:
-                described = backend._transfers._describe(store, steered)
-            finally:
-                backend._session.leave()
+            described = backend._transfers.describe(steered)
             held = Counter(c.endpoint for found in described.values() for c in found.copies)
             assert len(held) == 2 and min(held.values()) >= 16, held  # a batch or more each
         finally:

@@ -130,6 +130,16 @@ class Transfers:
         finally:
             session.leave()
 
+    def describe(self, keys: list[str]) -> dict[str, Stored]:
+        """Size and copies of each stored key (:meth:`_describe` in a session of its own):
+        where the master placed them, for the tools and tests that check placement."""
+        session = self.session
+        store = session.enter()
+        try:
+            return self._describe(store, keys)
+        finally:
+            session.leave()
+
     def put(self, keys: list[str], values: list[memoryview]) -> Sequence[bool]:
         unique = [places[0] for places in positions(keys).values()]  # the first writer wins
         stored: dict[str, bool] = {}
