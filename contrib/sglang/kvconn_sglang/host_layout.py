@@ -65,6 +65,18 @@ class HostPoolShape:
     kv_buffer: torch.Tensor
     head_num: int = 1  # KV heads on this rank (MHA)
     name: str = "kv"
+    #: The model's index of the pool's first layer: a pipeline stage's pool holds layers
+    #: ``start_layer`` to ``start_layer + layer_num - 1``, and its pages are keyed by
+    #: those numbers, so two stages' pages of one block never share a key.
+    start_layer: int = 0
+
+    def __post_init__(self) -> None:
+        first = self.start_layer
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise LayoutError(
+                f"host pool {self.name!r}: start_layer must be a layer index (an int >= 0), "
+                f"got {first!r}"
+            )
 
 
 def kv_units(head_num: int, tp_size: int, kv_heads: int | None) -> int:
@@ -161,6 +173,7 @@ def _components(
         return role.name
 
     buffer = pool.kv_buffer
+    first = pool.start_layer  # a region's layer is the model's: a PP stage's own numbers
     if pool.kind == "indexer":
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's
@@ -170,11 +183,17 @@ def _components(
         if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
             _check_rows(pool, buffer, pages, layer_dim=0, page_dim=1, dims=3)
             return [
-                (role, [(layer, buffer[layer, :pages], None) for layer in range(pool.layer_num)])
+                (
+                    role,
+                    [
+                        (first + layer, buffer[layer, :pages], None)
+                        for layer in range(pool.layer_num)
+                    ],
+                )
             ]
         # [pages, layers, 1, bytes]: a whole page of every layer is one contiguous range
         _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
-        return [(role, [(0, buffer[:pages].reshape(pages, -1), None)])]
+        return [(role, [(first, buffer[:pages].reshape(pages, -1), None)])]
     if pool.kind == "mha":
         components = [
             (declare(Role("k", units, dtype)), buffer[0]),
@@ -195,11 +214,15 @@ def _components(
                 )
             layers = range(pool.layer_num)
             out.append(
-                (role, [(layer, *_by_heads(pool, tensor[layer], pages)) for layer in layers])
+                (
+                    role,
+                    [(first + layer, *_by_heads(pool, tensor[layer], pages)) for layer in layers],
+                )
             )
         else:
-            # [page or token, …]: a whole page of every layer is one contiguous range
-            out.append((role, [(0, *_by_heads(pool, tensor, pages))]))
+            # [page or token, …]: a whole page of every layer is one contiguous range,
+            # declared as a region of the first (its size says how many layers follow)
+            out.append((role, [(first, *_by_heads(pool, tensor, pages))]))
     return out
 
 

@@ -29,6 +29,11 @@ names and answers for it alone, as SGLang expects; the hit stays one lookup over
 pool. Side pools that are not KV per page (Mamba, SWA state, DeepSeek-V4's compressed
 pools, draft pools) are refused by name when SGLang registers them.
 
+Under pipeline parallelism each stage's controller has a backend object of its own over
+the stage's layers; pages are keyed by the model's layer numbers (the host pool's
+``start_layer`` onwards), so the stages' pages of one block never share a key, and SGLang's
+MIN over the pipeline's group makes a block a hit only where every stage holds it.
+
 Instances at different TP sizes share K/V pages when SGLang splits heads
 (``tp_lcm_size`` in the extra config, ``should_split_heads``): the adapter sets kvconn's
 ``shard_heads`` to ``min(tp_lcm_size, KV heads)``, so every TP size dividing
@@ -197,10 +202,11 @@ class KvconnHiCacheStorage(HiCacheStorage):
             pool.name: group for group, pool in enumerate(side_pools, start=1)
         }
         log.info(
-            "kvconn HiCache storage: rank %d/%d, %s %s pages of %d tokens%s, backend %r, "
+            "kvconn HiCache storage: rank %d/%d, %s%s %s pages of %d tokens%s, backend %r, "
             "K/V units %s%s, writers %s",
             self.storage_config.tp_rank,
             self.storage_config.tp_size,
+            _stage_label(self.storage_config, shape),
             shape.kind,
             shape.layout,
             shape.page_size,
@@ -517,6 +523,14 @@ class KvconnHiCacheStorage(HiCacheStorage):
             self.connector = None
 
 
+def _stage_label(config: HiCacheStorageConfig, shape: HostPoolShape) -> str:
+    """``"PP stage 1/2 (layers 12-23), "`` under pipeline parallelism, else nothing."""
+    if config.pp_size == 1:
+        return ""
+    last = shape.start_layer + shape.layer_num - 1
+    return f"PP stage {config.pp_rank}/{config.pp_size} (layers {shape.start_layer}-{last}), "
+
+
 def _copying_interface(name: str) -> ConfigError:
     return ConfigError(
         f"the kvconn HiCache backend has no {name}(): it moves pages in place through "
@@ -527,7 +541,6 @@ def _copying_interface(name: str) -> ConfigError:
 def _check_supported(config: HiCacheStorageConfig) -> None:
     """Refuse parallel shapes whose pages the adapter would key wrongly."""
     unsupported = {
-        "pipeline parallelism (pp_size > 1)": config.pp_size > 1,
         "attention context parallelism (attn_cp_size > 1)": config.attn_cp_size > 1,
         "decode context parallelism (dcp_size > 1)": getattr(config, "dcp_size", 1) > 1,
     }
@@ -643,6 +656,7 @@ def _shape_of(pool: Any) -> HostPoolShape:
         size=pool.size,
         kv_buffer=buffer,
         head_num=heads,
+        start_layer=pool.start_layer,
     )
 
 
@@ -681,6 +695,7 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
             size=pool.size,
             kv_buffer=buffer,
             name=name,
+            start_layer=pool.start_layer,
         )
     if name == PoolName.INDEXER:
         reason = "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost), not this one"

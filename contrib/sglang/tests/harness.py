@@ -75,13 +75,26 @@ class Case:
     #: A rank whose scheduler terminates the prefetch before its I/O thread reads a page:
     #: that rank's I/O thread skips every batch, the other's reads them.
     terminated_on: int | None = None
+    #: The ``WORLD`` processes are pipeline stages at TP=1, not TP ranks: stage ``r``
+    #: holds the model's layers ``r * layers`` to ``(r + 1) * layers - 1``.
+    pipeline: bool = False
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.pipeline else WORLD
 
     @property
     def global_kv_heads(self) -> int:
-        return self.kv_heads if self.kv_heads is not None else self.heads * WORLD
+        return self.kv_heads if self.kv_heads is not None else self.heads * self.tp_size
+
+    def start_layer(self, rank: int) -> int:
+        """The model's index of ``rank``'s first layer (0 but for a pipeline stage)."""
+        return rank * self.layers if self.pipeline else 0
 
     def shard_of(self, rank: int) -> int:
         """Which distinct copy of the K/V bytes ``rank`` holds (equal → identical bytes)."""
+        if self.pipeline:  # each stage its own layers
+            return rank
         if self.model in ("mla", "dsa"):
             return 0
         num_shards = min(WORLD, self.global_kv_heads)
@@ -90,19 +103,21 @@ class Case:
 
 @dataclass(frozen=True)
 class EvictPage:
-    """A ``between_hit_and_get`` hook: rank 0 deletes one page of one block from the store.
+    """A ``between_hit_and_get`` hook: ``rank`` deletes one page of one block from the store.
 
     ``component`` is the page's shard segment (``w2r1``, ``replicated``), so a test can
     take away a page that only one rank loads; ``group`` its layer group (``1``: the
-    indexer pool of a ``dsa`` case).
+    indexer pool of a ``dsa`` case); ``rank`` the rank whose pages it names (a pipeline
+    stage names its own layers' pages only).
     """
 
     block: int
     component: str
     group: int = 0
+    rank: int = 0
 
     def __call__(self, rank: int, storage: Any, page_hashes: list[str]) -> None:
-        if rank != 0:
+        if rank != self.rank:
             return
         from kvconn.hashing import adopt_hashes
         from kvconn.plan import lookup_keys
@@ -158,7 +173,7 @@ def _write_model_config(path: str, case: Case) -> None:
         "vocab_size": 256,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": case.layers,
+        "num_hidden_layers": case.layers * (WORLD if case.pipeline else 1),
         "num_attention_heads": 4 * case.global_kv_heads,
         "num_key_value_heads": case.global_kv_heads,
         "head_dim": case.head_dim,
@@ -198,14 +213,18 @@ def _rank_main(
 
 
 def _publish(case: Case, rank: int, model_dir: str) -> None:
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
+
+    # each case is a new engine: the last case's ranks (TP or PP) must not carry over
+    reset_context()
 
     args = ServerArgs(
         model_path=model_dir,
         skip_tokenizer_init=True,
         device="cpu",
-        tp_size=WORLD,
+        tp_size=case.tp_size,
+        pp_size=WORLD // case.tp_size,
         page_size=case.page_size,
         enable_hierarchical_cache=True,
         hicache_io_backend="direct",
@@ -228,8 +247,9 @@ class Pools:
     controller_pool: Any = None
 
 
-def _pools(case: Case) -> Pools:
-    """SGLang's CPU device pool, its allocator and host pools in ``case.layout``."""
+def _pools(case: Case, rank: int) -> Pools:
+    """SGLang's CPU device pool, its allocator and host pools in ``case.layout``, over
+    ``rank``'s layers."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
@@ -242,6 +262,8 @@ def _pools(case: Case) -> Pools:
 
     dtype = getattr(torch, case.dtype)
     tokens = 64 * case.page_size
+    first = case.start_layer(rank)
+    layers = {"start_layer": first, "end_layer": first + case.layers}
     common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": case.page_size}
     if case.model == "mha":
         device = MHATokenToKVPool(
@@ -253,8 +275,7 @@ def _pools(case: Case) -> Pools:
             case.layers,
             "cpu",
             False,
-            start_layer=0,
-            end_layer=case.layers,
+            **layers,
         )
         cls, info, kwargs = _mha_host_inputs(device)
         # pin_memory=False: pinning needs CUDA; SGLang's builder always pins
@@ -274,8 +295,7 @@ def _pools(case: Case) -> Pools:
                 128,
                 False,
                 case.kv_lora_rank + case.rope_dim,
-                start_layer=0,
-                end_layer=case.layers,
+                **layers,
             )
         else:
             device = MLATokenToKVPool(
@@ -287,16 +307,14 @@ def _pools(case: Case) -> Pools:
                 case.layers,
                 "cpu",
                 False,
-                start_layer=0,
-                end_layer=case.layers,
+                **layers,
             )
         host = MLATokenToKVPoolHost(
             device.get_device_pool_infos()[0].buffer_info,
             layout=case.layout,
             pin_memory=False,
             device_capacity_tokens=device.size,
-            start_layer=0,
-            end_layer=case.layers,
+            **layers,
             target_layer_num=case.layers,
             override_kv_cache_dim=device.kv_cache_dim,
             **common,
@@ -399,7 +417,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
 
     started = time.monotonic()
     _publish(case, rank, model_dir)
-    pools = _pools(case)
+    pools = _pools(case, rank)
     host = pools.host
     ps = case.page_size
     common = dict(
@@ -417,6 +435,19 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             dist.group.WORLD,
             threading.Event(),
             transfer_layer_id_max=case.layers,
+            **common,
+        )
+    elif case.pipeline:
+        # as a server's scheduler builds it: this stage's TP group (itself, at TP=1) and
+        # the pipeline's group, over which SGLang agrees on hits and loads with MIN
+        own = [dist.new_group([r]) for r in range(WORLD)][rank]
+        controller = HiCacheController(
+            pools.allocator,
+            host,
+            ps,
+            own,
+            threading.Event(),
+            pp_group=dist.group.WORLD,
             **common,
         )
     else:

@@ -100,7 +100,7 @@ def test_kv_heads_that_do_not_fit_the_host_pool_are_refused():
         kv_units(1, 4, 3)
 
 
-def mha_shape(layout, pages=5, ps=4, layers=3, heads=2, dim=8):
+def mha_shape(layout, pages=5, ps=4, layers=3, heads=2, dim=8, start_layer=0):
     size = pages * ps
     dims = {
         "layer_first": (2, layers, size, heads, dim),
@@ -108,7 +108,29 @@ def mha_shape(layout, pages=5, ps=4, layers=3, heads=2, dim=8):
         "page_first_direct": (2, pages, layers, ps, heads, dim),
     }[layout]
     buffer = torch.zeros(dims, dtype=torch.bfloat16)
-    return HostPoolShape("mha", layout, ps, layers, size, buffer, heads)
+    return HostPoolShape("mha", layout, ps, layers, size, buffer, heads, start_layer=start_layer)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_two_pipeline_stages_with_pools_of_one_shape_key_their_pages_apart(layout):
+    """Stage 1 of a 6-layer model holds layers 3-5 in a pool shaped like stage 0's
+    layers 0-2: keyed alike, one stage would load the other's bytes as its own."""
+    stage0 = plan_pages(describe_host_pool(mha_shape(layout), 2, 4))[0]
+    stage1 = plan_pages(describe_host_pool(mha_shape(layout, start_layer=3), 2, 4))[0]
+    assert stage0.page_size == stage1.page_size
+    assert stage0.fingerprint != stage1.fingerprint
+    per_layer = layout == "layer_first"  # else one region holds every layer of a page
+    assert [r.layer for r in stage1.regions] == ([3, 4, 5] if per_layer else [3]) * 2  # K, V
+    # a pool that starts at layer 0 numbers its regions as before, so its keys are those
+    # of stores written before pipeline stages were keyed
+    assert [r.layer for r in stage0.regions] == ([0, 1, 2] if per_layer else [0]) * 2
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, None])
+def test_a_host_pool_whose_first_layer_is_not_a_layer_index_is_refused(bad):
+    buffer = mha_shape("page_first").kv_buffer
+    with pytest.raises(LayoutError, match="start_layer"):
+        HostPoolShape("mha", "page_first", 4, 3, 20, buffer, 2, start_layer=bad)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
@@ -146,7 +168,6 @@ def test_host_indices_that_are_not_whole_pages_are_refused():
 @pytest.mark.parametrize(
     ("fields", "what"),
     [
-        ({"pp_size": 2, "pp_rank": 1}, "pipeline"),
         ({"attn_cp_size": 2}, "context parallelism"),
     ],
 )

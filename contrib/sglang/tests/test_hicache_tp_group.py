@@ -1,4 +1,5 @@
-"""kvconn behind SGLang's real HiCache controller, in a TP group of two real processes.
+"""kvconn behind SGLang's real HiCache controller, in a group of two real processes: the
+two ranks of a TP group, or (``pp-`` cases) the two stages of a pipeline at TP=1.
 
 Every case runs SGLang 0.5.23's own ``HiCacheController`` (its threads, its page hashing,
 its MIN all-reduces over gloo) with the kvconn backend loaded the way an operator turns
@@ -84,6 +85,16 @@ def _cases(root: Path) -> dict[str, Case]:
                 page_size=DSA_PAGE,
                 between_hit_and_get=EvictPage(3, "replicated", group=1),
             ),
+            # pipeline parallelism at TP=1: each process a stage with 2 of the 4 layers
+            case("pp-mha-layer-first", pipeline=True),
+            case("pp-mha-page-first", pipeline=True, layout="page_first"),
+            case("pp-mla-page-first", pipeline=True, model="mla", layout="page_first"),
+            # after the hit query, stage 1's page of block 3 disappears
+            case(
+                "pp-stage-1-evicted",
+                pipeline=True,
+                between_hit_and_get=EvictPage(3, "w1r0", rank=1),
+            ),
         )
     }
 
@@ -137,6 +148,9 @@ ALL_LOADED = [
     "mla-page-first",
     "gqa-duplicated-striped",
     "mla-striped",
+    "pp-mha-layer-first",
+    "pp-mha-page-first",
+    "pp-mla-page-first",
 ]
 
 
@@ -314,3 +328,36 @@ def test_a_side_pool_registered_after_start_up_is_refused(runs):
     for r in runs["dsa-layer-first"]:
         assert r["late_registration"].startswith("ConfigError")
         assert "'indexer' pool was registered after" in r["late_registration"]
+
+
+# ------------------------------------------------ pipeline parallelism (TP=1, 2 stages)
+PIPELINES = ["pp-mha-layer-first", "pp-mha-page-first", "pp-mla-page-first"]
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_each_pipeline_stage_stores_its_own_layers_under_keys_of_its_own(runs, name):
+    """The two stages' host pools have one shape (2 layers each): keyed by the pool's
+    own layer numbers, stage 1 would find stage 0's pages and load them as its own.
+    Keyed by the model's layers, each stage writes and loads its own pages (the bytes
+    check in ``test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes``)."""
+    stage0, stage1 = runs[name]
+    assert stage0["storage_class"] == stage1["storage_class"] == "KvconnHiCacheStorage"
+    assert stage0["first_page_keys"] != stage1["first_page_keys"]
+    assert [written(r) for r in runs[name]] == [PAGES, PAGES]
+    component = "w1r0" if name.startswith("pp-mha") else "replicated"
+    assert stored_pages(runs, name) == {component: 2 * PAGES}
+
+
+def test_a_page_one_stage_lacks_ends_the_hit_and_the_load_on_every_stage(runs):
+    """SGLang agrees on a hit and on what was loaded with MIN over the pipeline's group:
+    stage 1 cannot read block 3, so stage 0, which read all its pages, keeps blocks 0-2
+    too, and the next lookup stops there on both stages."""
+    stage0, stage1 = runs["pp-stage-1-evicted"]
+    for r in (stage0, stage1):
+        assert r["hit_tokens"] == PAGES * 4  # both stages saw every page at the lookup
+        assert r["loaded_tokens"] == 3 * 4
+        assert r["pages_equal"] == [True] * 3
+        assert r["hit_tokens_after"] == 3 * 4
+    assert read_pages(stage0) == PAGES and "failed" not in stage0["kvconn"]["total"]
+    assert stage1["kvconn"]["total"]["failed"]["pages"] == PAGES - 3
+    assert stage1["failed_pages_untouched"] == [True] * (PAGES - 3)
