@@ -89,6 +89,13 @@ def _cases(root: Path) -> dict[str, Case]:
             case("pp-mha-layer-first", pipeline=True),
             case("pp-mha-page-first", pipeline=True, layout="page_first"),
             case("pp-mla-page-first", pipeline=True, model="mla", layout="page_first"),
+            case(
+                "pp-dsa-page-first",
+                pipeline=True,
+                model="dsa",
+                layout="page_first",
+                page_size=DSA_PAGE,
+            ),
             # after the hit query, stage 1's page of block 3 disappears
             case(
                 "pp-stage-1-evicted",
@@ -257,7 +264,7 @@ def test_a_stored_page_is_sglangs_own_flat_page_of_that_layout(runs, name):
 
 
 # ------------------------------------------------ DeepSeek-V3.2: MLA + indexer, v2 calls
-DSA_LOADED = ["dsa-layer-first", "dsa-page-first"]
+DSA_LOADED = ["dsa-layer-first", "dsa-page-first", "pp-dsa-page-first"]
 
 
 @pytest.mark.parametrize("name", DSA_LOADED)
@@ -273,7 +280,7 @@ def test_deepseek_v32_latent_and_indexer_load_byte_for_byte_on_both_ranks(runs, 
         assert r["indexer_pages_equal"] == [True] * PAGES, f"rank {r['rank']} indexer"
 
 
-@pytest.mark.parametrize("name", DSA_LOADED)
+@pytest.mark.parametrize("name", DSA_LOADED[:2])
 def test_deepseek_v32_stores_one_latent_and_one_indexer_page_per_block_for_the_group(runs, name):
     # one page per pool and block for the whole group (rank 0 alone saves MLA models)
     assert stored_pages_by_group(runs, name) == {
@@ -290,7 +297,7 @@ def test_deepseek_v32_stores_one_latent_and_one_indexer_page_per_block_for_the_g
     }
 
 
-@pytest.mark.parametrize("name", DSA_LOADED)
+@pytest.mark.parametrize("name", DSA_LOADED[:2])
 def test_a_stored_indexer_page_is_sglangs_own_flat_indexer_page(runs, name):
     for r in runs[name]:
         case = Case(**r["case"])
@@ -361,3 +368,16 @@ def test_a_page_one_stage_lacks_ends_the_hit_and_the_load_on_every_stage(runs):
     assert read_pages(stage0) == PAGES and "failed" not in stage0["kvconn"]["total"]
     assert stage1["kvconn"]["total"]["failed"]["pages"] == PAGES - 3
     assert stage1["failed_pages_untouched"] == [True] * (PAGES - 3)
+
+
+def test_deepseek_v32_pipeline_stages_each_store_their_own_latent_and_indexer_pages(runs):
+    """Both pools of a stage are numbered from its first layer: each stage writes one
+    latent and one indexer page per block, keyed apart from the other stage's."""
+    name = "pp-dsa-page-first"
+    assert stored_pages_by_group(runs, name) == {
+        ("replicated", "lg0"): 2 * PAGES,
+        ("replicated", "lg1"): 2 * PAGES,
+    }
+    stage0, stage1 = runs[name]
+    assert [written(r) for r in runs[name]] == [2 * PAGES, 2 * PAGES]
+    assert set(stage0["first_page_keys"]).isdisjoint(stage1["first_page_keys"])
