@@ -184,6 +184,11 @@ class Lookup:
     (:mod:`kvconn.replicas`): the lookup switches to the per-rank keys for good and asks
     again, so its hits are the pages the ranks will load. A connector's own lookup does
     not follow markers: its keys change with its ranks', at their checks.
+
+    ``stages``: under pipeline parallelism, the layouts of the other stages (``layout``
+    is one stage's). Each stage's ranks hold other layers, hence other pages; a block is
+    a hit only where every stage holds its pages (the smallest of the stages' hits),
+    still from one batched ``exists``.
     """
 
     def __init__(
@@ -195,10 +200,15 @@ class Lookup:
         keys: PageKeys | None = None,
         calls: BackendCalls | None = None,
         follow_markers: bool = True,
+        stages: Sequence[KvLayout] = (),
     ) -> None:
         self.keys = keys if keys is not None else PageKeys(config, layout)
         self.config = self.keys.config
         self.layout = self.keys.layout
+        #: The other pipeline stages' planners (``keys`` is the first stage's).
+        self.stages: tuple[PageKeys, ...] = tuple(
+            PageKeys(self.config, _stage_layout(stage, self.layout)) for stage in stages
+        )
         if calls is None:
             if backend is not None and not isinstance(backend, Backend):
                 raise ConfigError(f"backend must be a kvconn Backend instance, got {backend!r:.80}")
@@ -213,7 +223,9 @@ class Lookup:
                 stats=ConnectorStats(),
             )
             calls.check_keys(
-                self.keys.key_shapes(), model=self.config.model, namespace=self.config.namespace
+                [shape for keys in (self.keys, *self.stages) for shape in keys.key_shapes()],
+                model=self.config.model,
+                namespace=self.config.namespace,
             )
             self._owns_backend = True
         else:
@@ -240,30 +252,49 @@ class Lookup:
         if not hashes:
             return LookupResult(0, 0)
         while True:  # twice at most per marker: markers only add per-rank kinds
-            keys = self.keys
+            stages = (self.keys, *self.stages)
             watched = (
-                [(i, k) for i, k in keys.markers.items() if i not in keys.per_rank]
+                [
+                    (stage, i, k)
+                    for stage, keys in enumerate(stages)
+                    for i, k in keys.markers.items()
+                    if i not in keys.per_rank
+                ]
                 if self.follow_markers
                 else []
             )
-            per_block = lookup_keys(keys.prefix, keys.plans, hashes)
-            flat = [k for block in per_block for k in block]
+            per_stage = [lookup_keys(keys.prefix, keys.plans, hashes) for keys in stages]
+            flat = [k for per_block in per_stage for block in per_block for k in block]
             try:
-                present = self.calls.exists([*flat, *(k for _, k in watched)])
+                present = self.calls.exists([*flat, *(k for _, _, k in watched)])
             except Unavailable:
                 self.stats.bump("lookup_errors")
                 return LookupResult(0, 0, available=False)
-            marked = [i for (i, _), there in zip(watched, present[len(flat) :]) if there]
+            marked: dict[int, list[int]] = {}
+            for (stage, i, _), there in zip(watched, present[len(flat) :]):
+                if there:
+                    marked.setdefault(stage, []).append(i)
             if not marked:
                 break
-            self.keys = keys.with_per_rank(marked)
+            renewed = [
+                keys.with_per_rank(marked[stage]) if stage in marked else keys
+                for stage, keys in enumerate(stages)
+            ]
+            self.keys, self.stages = renewed[0], tuple(renewed[1:])
             log.warning(
                 "kvconn: page kind(s) %s are kept per rank (their ranks were found holding "
                 "different bytes); lookups ask for per-rank pages from now on",
-                ", ".join(keys.planned[i].label for i in sorted(marked)),
+                ", ".join(
+                    stages[stage].planned[i].label
+                    for stage, kinds in sorted(marked.items())
+                    for i in sorted(kinds)
+                ),
             )
         it = iter(present)
-        blocks = keys.hit([[next(it) for _ in block] for block in per_block])
+        blocks = min(
+            keys.hit([[next(it) for _ in block] for block in per_block])
+            for keys, per_block in zip(stages, per_stage)
+        )
         return LookupResult(blocks, blocks * self.layout.tokens_per_block)
 
     def close(self) -> None:
@@ -519,6 +550,19 @@ class DeadlineLookup:
             self._overdue.clear()
             self._orphans.clear()
             self._stalled = False
+
+
+def _stage_layout(stage: object, first: KvLayout) -> KvLayout:
+    """A pipeline stage's layout, checked against the first stage's: a block is the same
+    tokens on every stage, so they must agree on its size."""
+    if not isinstance(stage, KvLayout):
+        raise LayoutError(f"a pipeline stage's layout must be a KvLayout, got {stage!r:.80}")
+    if stage.tokens_per_block != first.tokens_per_block:
+        raise LayoutError(
+            f"pipeline stages disagree on the block size: {first.tokens_per_block} and "
+            f"{stage.tokens_per_block} tokens per block"
+        )
+    return stage
 
 
 def check_hashes(block_hashes: Iterable[bytes]) -> list[bytes]:

@@ -17,9 +17,10 @@ import pytest
 
 from kvconn.backend import Capabilities
 from kvconn.config import ConnectorConfig
-from kvconn.errors import BackendUnavailable
+from kvconn.errors import BackendUnavailable, LayoutError
 from kvconn.hashing import block_hashes
 from kvconn.keys import parse_key
+from kvconn.layout import KvLayout
 from kvconn.lookup import DeadlineLookup, Lookup, PageKeys
 from kvconn.tools.models import QWEN3_235B_PRESET, minimax_m3
 from tests.fakes import DictBackend, GatedBackend
@@ -467,3 +468,55 @@ def test_a_lookup_on_a_closed_lookup_is_an_error():
     lookup.close()
     with pytest.raises(ConnectorClosed):
         lookup.lookup(HASHES)
+
+
+# ------------------------------------------------------------------ pipeline stages
+def _stage(layout: KvLayout, first_layer: int) -> KvLayout:
+    """``layout``'s pools holding the model's layers from ``first_layer`` on: another
+    pipeline stage's, of the same shape."""
+    groups = tuple(
+        replace(g, regions=tuple(replace(r, layer=r.layer + first_layer) for r in g.regions))
+        for g in layout.groups
+    )
+    return replace(layout, groups=groups)
+
+
+STAGE0 = minimax_m3(tp_size=2)
+STAGE1 = _stage(STAGE0, 100)
+
+
+def test_a_pipeline_lookup_is_a_hit_only_where_every_stage_holds_its_pages():
+    store = DictBackend()
+    for conn in tp_group(STAGE0, store):  # stage 0 saved every block
+        conn.save(HASHES, SLOTS)
+    for conn in tp_group(STAGE1, store):  # stage 1 only the first two
+        conn.save(HASHES[:2], SLOTS[:2])
+    assert Lookup(CONFIG, STAGE0, backend=store).lookup(HASHES).blocks == N
+    assert Lookup(CONFIG, STAGE1, backend=store).lookup(HASHES).blocks == 2
+    store.calls.clear()
+    both = Lookup(CONFIG, STAGE0, backend=store, stages=[STAGE1])
+    assert both.lookup(HASHES).blocks == 2
+    assert Lookup(CONFIG, STAGE1, backend=store, stages=[STAGE0]).lookup(HASHES).blocks == 2
+    # one exists for both stages' pages (and the markers of their shared kinds)
+    assert [op for op, _ in store.calls] == ["exists", "exists"]
+
+
+def test_each_stage_keys_its_pages_apart():
+    zero, one = PageKeys(CONFIG, STAGE0), PageKeys(CONFIG, STAGE1)
+    assert set(zero.block_keys(HASHES[0])).isdisjoint(one.block_keys(HASHES[0]))
+
+
+def test_stages_that_disagree_on_the_block_size_are_refused():
+    other = replace(STAGE1, tokens_per_block=16)
+    with pytest.raises(LayoutError, match="32 and 16 tokens per block"):
+        Lookup(CONFIG, STAGE0, backend=DictBackend(), stages=[other])
+
+
+def test_a_marker_on_one_stage_keys_only_that_stage_per_rank():
+    store = DictBackend()
+    lookup = Lookup(CONFIG, STAGE0, backend=store, stages=[STAGE1])
+    kind, marker = next(iter(lookup.stages[0].markers.items()))
+    assert store.put([marker], [memoryview(b"{}")]) == [True]
+    assert lookup.lookup(HASHES).blocks == 0
+    assert lookup.stages[0].per_rank == {kind}
+    assert lookup.keys.per_rank == frozenset()
