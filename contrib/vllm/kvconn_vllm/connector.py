@@ -27,6 +27,12 @@ Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on, and 
 its KV-cache groups (full attention, sliding window) is a kvconn layer group; a sliding
 group's null blocks outside its window are kvconn's ``NO_SLOT``.
 
+Pipeline parallelism: each stage's workers describe their own layers (numbered as in
+the model, from vLLM's layer names), so each stage saves and loads its own pages, and
+the scheduler, which hears from every stage's workers at start-up
+(``set_xfer_handshake_metadata_pp_aware``), looks up every stage's pages in one
+``exists``: a block is a hit only where every stage holds it.
+
 Block hashes are vLLM's own (``request.block_hashes``), adopted under the scheme
 ``vllm:<prefix_caching_hash_algo>``; they reach workers inside the metadata because
 only the scheduler has them.
@@ -172,6 +178,37 @@ def _transfer_cpus() -> frozenset[int] | None:
     return cpus
 
 
+def pipeline_layouts(
+    metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata], pp_size: int
+) -> list[KvLayout]:
+    """Per pipeline stage, in stage order, the one layout its TP ranks described; none
+    before the workers have described any.
+
+    The TP ranks of a stage must agree (a page's key is the same on every rank that holds
+    it), and every stage must be there: a lookup that missed a stage's pages would
+    promise blocks that stage cannot load.
+    """
+    stages: dict[int, dict[int, KvLayout]] = {}
+    for (pp_rank, tp_rank), meta in metadata.items():
+        if isinstance(meta, LayoutHandshake):
+            stages.setdefault(pp_rank, {})[tp_rank] = KvLayout.from_dict(meta.layout)
+    if not stages:
+        return []
+    if sorted(stages) != list(range(pp_size)):
+        raise ConfigError(
+            f"kvconn got KV layouts from pipeline stages {sorted(stages)} of {pp_size}: "
+            "a lookup must plan every stage's pages"
+        )
+    layouts = []
+    for pp_rank in sorted(stages):
+        first, *others = stages[pp_rank].values()
+        if any(layout != first for layout in others):
+            stage = f" of pipeline stage {pp_rank}" if pp_size > 1 else ""
+            raise ConfigError(f"vLLM workers{stage} described different KV layouts to kvconn")
+        layouts.append(first)
+    return layouts
+
+
 def _tp_group(config: ConnectorConfig) -> Any:
     """A gloo group of this worker's TP ranks, or ``None`` when kvconn has no use for one.
 
@@ -213,8 +250,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ConfigError("kvconn's vLLM adapter does not support pipeline parallelism yet")
+        self._pp_size = parallel.pipeline_parallel_size
         # What kvconn stores, from vLLM's spec objects; refuses what it cannot (Mamba…)
         self._groups = cache_groups(vllm_config, kv_cache_config)
         self._group_ids = [g.index for g in self._groups]
@@ -429,20 +465,27 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def set_xfer_handshake_metadata(
         self, metadata: Mapping[int, KVConnectorHandshakeMetadata]
     ) -> None:
-        layouts = {
-            rank: KvLayout.from_dict(m.layout)
-            for rank, m in metadata.items()
-            if isinstance(m, LayoutHandshake)
-        }
+        """The workers' layouts by TP rank (one pipeline stage)."""
+        self.set_xfer_handshake_metadata_pp_aware({(0, rank): m for rank, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: Mapping[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """The workers' layouts by (PP rank, TP rank): how the scheduler learns the keys.
+
+        Under pipeline parallelism each stage's workers hold other layers, hence other
+        pages (a page's key names its layers), so the lookup plans every stage's pages
+        and a block is a hit only where every stage holds its own.
+        """
+        layouts = pipeline_layouts(metadata, self._pp_size)
         if not layouts:
             return
-        first = next(iter(layouts.values()))
-        if any(layout != first for layout in layouts.values()):
-            raise ConfigError("vLLM workers described different KV layouts to kvconn")
         if self._asker is not None:
             self._asker.close()
             self._asker.lookup.close()
-        self._asker = DeadlineLookup(Lookup(self._config, first))  # torch-free
+        self._asker = DeadlineLookup(  # torch-free
+            Lookup(self._config, layouts[0], stages=layouts[1:])
+        )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -14,7 +14,8 @@ from typing import Any
 HERE = Path(__file__).parent
 
 
-def engine_env(tp: int) -> dict[str, str]:
+def engine_env(tp: int, pp: int = 1) -> dict[str, str]:
+    """The engine's environment with ``tp`` x ``pp`` workers (at most 2: one per CPU)."""
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -22,7 +23,9 @@ def engine_env(tp: int) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the default takes a share of host memory
         PYTHONPATH=os.pathsep.join([str(HERE / "plugins"), env.get("PYTHONPATH", "")]),
     )
-    if tp == 2:
+    if pp > 1:
+        env["TEST_VLLM_CPU_PP_BUFFER"] = "1"  # plugins/vllm_cpu_pp.py
+    if tp * pp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     else:
         # vLLM reserves one more core for a KV connector's engine; with one reserved
@@ -32,10 +35,14 @@ def engine_env(tp: int) -> dict[str, str]:
 
 
 def run_script(
-    *args: str, tp: int = 1, timeout: int = 540, env: Mapping[str, str] | None = None
+    *args: str,
+    tp: int = 1,
+    pp: int = 1,
+    timeout: int = 540,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``run_vllm.py`` with ``args``; ``env`` adds to the engine's environment."""
-    process_env = engine_env(tp) | dict(env or {})
+    process_env = engine_env(tp, pp) | dict(env or {})
     # vLLM names its processes' ZeroMQ sockets in VLLM_RPC_BASE_PATH (the temporary
     # directory by default) and leaves them there; each run's go with the run.
     with tempfile.TemporaryDirectory(prefix="kvconn-vllm-ipc-") as sockets:
@@ -51,7 +58,11 @@ def run_script(
 
 
 def run_engine(
-    *args: str, tp: int = 1, timeout: int = 540, env: Mapping[str, str] | None = None
+    *args: str,
+    tp: int = 1,
+    pp: int = 1,
+    timeout: int = 540,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], str]:
     """``run_vllm.py``'s result, and the process's output, of a run that must succeed.
 
@@ -60,7 +71,7 @@ def run_engine(
     """
     with tempfile.TemporaryDirectory(prefix="kvconn-vllm-run-") as tmp:
         path = Path(tmp) / "result.json"
-        done = run_script(*args, "--result", str(path), tp=tp, timeout=timeout, env=env)
+        done = run_script(*args, "--result", str(path), tp=tp, pp=pp, timeout=timeout, env=env)
         log = done.stdout + done.stderr
         assert done.returncode == 0 and path.exists(), log[-6000:]
         result: dict[str, Any] = json.loads(path.read_text())

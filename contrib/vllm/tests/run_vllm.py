@@ -166,6 +166,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         skip_tokenizer_init=True,
         tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
+        # a worker process per stage, as at TP > 1 (vLLM's choice there too)
+        distributed_executor_backend="mp" if args.pp > 1 else None,
         dtype="float32",
         block_size=args.block_size or None,  # 0: vLLM's choice (CPU MLA forces 16)
         # vLLM prefers its AMX MLA backend where the CPU has AMX, which needs bf16
@@ -288,6 +291,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--store", required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--backend", default=None)
     parser.add_argument(

@@ -6,6 +6,7 @@ over an LMDB store in a temporary directory.
   against vLLM's own ``ExampleConnector`` run the same way;
 * Gemma-3 at TP=1 and TP=2 with vLLM's hybrid KV-cache manager on: a sliding-window
   group and a full-attention group;
+* Llama with two pipeline stages (PP=2, one layer each) at TP=1;
 * Qwen3-Next (a linear-attention layer): refused at start-up.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
@@ -13,7 +14,9 @@ per session, generates a prompt twice with vLLM's own prefix cache off, and the 
 check what vLLM reports and what the store holds. Some engines run the prompt more
 often, with the test backend deleting a page first: the Llama at TP=1 with 2 KV heads
 between lookup and load; the Gemma-3 at TP=1 a sliding-window page outside the window
-at the lookup of a third run, then a page between lookup and load of a fourth.
+at the lookup of a third run, then a page between lookup and load of a fourth; the
+pipeline's engine a page only its second stage holds at the lookup of a third run, then
+a page between lookup and load of a fourth.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from engine_process import run_engine, run_script
 from kvconn_lmdb import LmdbBackend
 from run_vllm import GEMMA3_SLIDING_LAYERS
 
-from kvconn.keys import parse_key
+from kvconn.keys import parse_key, parse_manifest_key
+from kvconn.manifest import PageManifest
 
 PROMPT_TOKENS = 100  # three full blocks of 32 (six of 16), and a partial one never stored
 
@@ -49,6 +53,7 @@ class Case:
     #: The run (``REFERENCES``) whose second generation this one's must equal; None: this
     #: run's own first generation.
     reference: str | None = None
+    pp: int = 1  # pipeline stages
 
     @property
     def full_blocks(self) -> int:
@@ -96,6 +101,21 @@ CASES = {
         ),
     ),
     "gemma3-tp2": Case("gemma3", 2, {"lg0/w2r0": 1, "lg0/w2r1": 1, "lg1/w2r0": 1, "lg1/w2r1": 1}),
+    # two stages, layer 0 and layer 1: a page of each per block, keyed by its layer
+    "llama-2kv-pp2": Case(
+        "llama-2kv",
+        1,
+        {"lg0/w1r0": 2},
+        pp=2,
+        args=(
+            "--backend",
+            "lmdb-drop-on-load",
+            "--marker",
+            "3:drop-at-lookup:1",
+            "--marker",
+            "4:drop-next-load",
+        ),
+    ),
 }
 #: The same engines with vLLM's own reference connector (files per layer) instead.
 REFERENCES = {
@@ -115,10 +135,13 @@ def run_case(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], str]
         str(store),
         "--tp",
         str(case.tp),
+        "--pp",
+        str(case.pp),
         "--prompt-tokens",
         str(PROMPT_TOKENS),
         *case.args,
         tp=case.tp,
+        pp=case.pp,
     )
 
 
@@ -240,6 +263,59 @@ def test_with_the_hybrid_manager_a_failed_load_makes_vllm_recompute_the_request(
     assert fourth["logprobs"] == first["logprobs"]
     blocks = pages_per_block(store)
     assert all(dict(pages) == CASES["gemma3-tp1"].pages for pages in blocks.values()), blocks
+
+
+def stored_kinds(store: Path) -> list[set[int]]:
+    """The layers of each page kind in the store, from its layout manifests."""
+    backend = LmdbBackend(str(store))
+    try:
+        kinds = []
+        for key, size in backend.list_keys():
+            if parse_manifest_key(key) is not None:
+                value = memoryview(bytearray(size))
+                assert backend.get([key], [value]) == [True]
+                kinds.append({layer for layer, _, _ in PageManifest.from_json(value).regions})
+        return sorted(kinds, key=sorted)
+    finally:
+        backend.close()
+
+
+def test_each_pipeline_stage_stores_pages_of_its_own_layers(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """vLLM hands each stage's workers its own layers; kvconn keys a page by the layers
+    it holds (vLLM's layer names), so the two stages' pages of a block are two kinds."""
+    store, _, _ = engine_run("llama-2kv-pp2")
+    assert stored_kinds(store) == [{0}, {1}]
+
+
+def test_a_page_only_the_second_stage_holds_missing_at_the_lookup_is_a_miss_for_the_pipeline(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """The scheduler asks for every stage's pages: with stage 1's page of block 0 gone,
+    no block is a hit, and vLLM computes the prompt, with no load to fail. A lookup of
+    stage 0's pages alone would have promised all three blocks."""
+    store, result, log = engine_run("llama-2kv-pp2")
+    first, _, third, _ = result["runs"]
+    assert not (store / "drop-at-lookup").exists()  # the backend did delete the page
+    assert third["num_cached_tokens"] == 0
+    assert third["token_ids"] == first["token_ids"]
+    assert third["logprobs"] == first["logprobs"]
+    assert log.count("did not load") == 1  # the fourth run's, not this one's
+
+
+def test_a_stage_whose_page_is_evicted_between_lookup_and_load_has_vllm_recompute(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    store, result, log = engine_run("llama-2kv-pp2")
+    first, *_, fourth = result["runs"]
+    assert not (store / "drop-next-load").exists()
+    assert "did not load; vLLM recomputes them" in log
+    assert fourth["token_ids"] == first["token_ids"]
+    assert fourth["logprobs"] == first["logprobs"]
+    # the third run saved block 0's page again, and the fourth the page it lost
+    blocks = pages_per_block(store)
+    assert all(dict(pages) == CASES["llama-2kv-pp2"].pages for pages in blocks.values()), blocks
 
 
 def test_a_model_with_linear_attention_state_is_refused_at_start_up(

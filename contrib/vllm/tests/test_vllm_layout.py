@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,50 @@ def test_importing_kvconn_and_the_adapter_package_does_not_import_vllm():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------- pipeline stages
+def stage_caches(first: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    """A pipeline stage's caches: vLLM names its layers as the model does."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, HEADS, BS, 2 * DIM)
+        for i in range(first, first + layers)
+    }
+
+
+def test_two_pipeline_stages_describe_their_own_layers_under_keys_of_their_own():
+    stage0, _ = describe(stage_caches(0))
+    stage1, _ = describe(stage_caches(2))
+    assert [r.layer for r in stage1.groups[0].regions] == [2, 3]
+    (plan0,), (plan1,) = plan_pages(stage0), plan_pages(stage1)
+    assert plan0.page_size == plan1.page_size  # one shape, other layers: other keys
+    assert plan0.fingerprint != plan1.fingerprint
+
+
+def handshakes(layouts: dict[tuple[int, int], KvLayout]) -> dict[tuple[int, int], Any]:
+    from kvconn_vllm.connector import LayoutHandshake
+
+    return {ranks: LayoutHandshake(layout.to_dict()) for ranks, layout in layouts.items()}
+
+
+def test_the_scheduler_takes_one_layout_per_pipeline_stage_in_stage_order():
+    from kvconn_vllm.connector import pipeline_layouts
+
+    stage0, _ = describe(stage_caches(0))
+    stage1, _ = describe(stage_caches(2))
+    metadata = handshakes({(1, 0): stage1, (0, 0): stage0})
+    assert pipeline_layouts(metadata, 2) == [stage0, stage1]
+    assert pipeline_layouts({}, 2) == []  # before the workers described theirs
+
+
+def test_a_missing_pipeline_stage_or_ranks_of_a_stage_that_disagree_are_refused():
+    from kvconn.errors import ConfigError
+    from kvconn_vllm.connector import pipeline_layouts
+
+    stage0, _ = describe(stage_caches(0))
+    stage1, _ = describe(stage_caches(2))
+    with pytest.raises(ConfigError, match=r"pipeline stages \[0\] of 2"):
+        pipeline_layouts(handshakes({(0, 0): stage0}), 2)
+    disagree = handshakes({(0, 0): stage0, (1, 0): stage1, (1, 1): stage0})
+    with pytest.raises(ConfigError, match="workers of pipeline stage 1 described different"):
+        pipeline_layouts(disagree, 2)

@@ -7,9 +7,10 @@ in the store directory (and disarmed when used):
   page evicted between the scheduler's lookup and the worker's load, in vLLM's own
   worker process;
 * ``drop-at-lookup``, holding layer numbers (``0,2``): the next lookup first deletes
-  the first page it asks for of the layer group that holds exactly those layers (found
+  the first page it asks for of the page kind that holds exactly those layers (found
   from the stored layout manifests) -- for a sliding-window group, the page of the
-  prompt's first block, which falls outside the window of a longer hit.
+  prompt's first block, which falls outside the window of a longer hit; under pipeline
+  parallelism, a page only the stage holding those layers has.
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ class DropOnLoadBackend(LmdbBackend):
         marker = self.path / LOOKUP_MARKER
         if marker.exists():
             layers = {int(n) for n in marker.read_text().split(",")}
-            group = self._group_of(layers)
-            first = next((k for k in keys if (p := parse_key(k)) and p.group == group), None)
+            kind = self._kind_of(layers)
+            first = next(
+                (k for k in keys if (p := parse_key(k)) and (p.group, p.fingerprint) == kind),
+                None,
+            )
             if first is not None:
                 marker.unlink()
                 self._delete([first])
         return super()._exists(keys)
 
-    def _group_of(self, layers: set[int]) -> int | None:
-        """The layer group whose stored manifest names exactly ``layers``."""
+    def _kind_of(self, layers: set[int]) -> tuple[int, str] | None:
+        """The layer group and fingerprint of the page kind whose stored manifest names
+        exactly ``layers``."""
         for key, size in list(self._list("")):
             parsed = parse_manifest_key(key)
             if parsed is None:
@@ -69,7 +74,7 @@ class DropOnLoadBackend(LmdbBackend):
             if self._get([key], [memoryview(buffer)], scratch=False)[0]:
                 manifest = PageManifest.from_json(buffer)
                 if {layer for layer, _, _ in manifest.regions} == layers:
-                    return parsed.group
+                    return parsed.group, parsed.fingerprint
         return None
 
 
