@@ -84,6 +84,10 @@ class Case:
         return 1 if self.pipeline else WORLD
 
     @property
+    def pp_size(self) -> int:
+        return WORLD // self.tp_size
+
+    @property
     def global_kv_heads(self) -> int:
         return self.kv_heads if self.kv_heads is not None else self.heads * self.tp_size
 
@@ -173,7 +177,7 @@ def _write_model_config(path: str, case: Case) -> None:
         "vocab_size": 256,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": case.layers * (WORLD if case.pipeline else 1),
+        "num_hidden_layers": case.layers * case.pp_size,
         "num_attention_heads": 4 * case.global_kv_heads,
         "num_key_value_heads": case.global_kv_heads,
         "head_dim": case.head_dim,
@@ -224,7 +228,7 @@ def _publish(case: Case, rank: int, model_dir: str) -> None:
         skip_tokenizer_init=True,
         device="cpu",
         tp_size=case.tp_size,
-        pp_size=WORLD // case.tp_size,
+        pp_size=case.pp_size,
         page_size=case.page_size,
         enable_hierarchical_cache=True,
         hicache_io_backend="direct",
