@@ -337,9 +337,15 @@ class Connector:
         self.close()
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
-        """The longest prefix of blocks whose every page, for every rank, is stored."""
-        return self._lookup.lookup(block_hashes)
+    def lookup(
+        self,
+        block_hashes: Sequence[bytes],
+        *,
+        windows: Mapping[int, int | None] | None = None,
+    ) -> LookupResult:
+        """The longest prefix of blocks whose every page, for every rank, is stored;
+        ``windows`` overrides groups' windows for this lookup (:meth:`Lookup.lookup`)."""
+        return self._lookup.lookup(block_hashes, windows=windows)
 
     # ------------------------------------------------------------------ save
     def save(

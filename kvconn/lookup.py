@@ -42,6 +42,7 @@ from kvconn.plan import (
     lookup_windows,
     plan_pages,
     rank_shares,
+    restorable_prefixes,
     share_key,
 )
 from kvconn.registry import load_backend
@@ -239,15 +240,31 @@ class Lookup:
     def backend(self) -> Backend:
         return self.calls.backend
 
-    def lookup(self, block_hashes: Sequence[bytes]) -> LookupResult:
-        """The longest prefix of blocks whose every page, for every rank, is stored."""
-        return self.lookup_checked(check_hashes(block_hashes))
+    def lookup(
+        self,
+        block_hashes: Sequence[bytes],
+        *,
+        windows: Mapping[int, int | None] | None = None,
+    ) -> LookupResult:
+        """The longest prefix of blocks whose every page, for every rank, is stored.
 
-    def lookup_checked(self, hashes: list[bytes]) -> LookupResult:
+        ``windows`` overrides, per layer group, the window the layout gives it
+        (``LayerGroup.window``) for this lookup: ``None`` needs the group's pages for
+        every block of the hit, ``W >= 1`` only for the last ``W`` blocks, and ``0`` not
+        at all (none of its keys is asked). An engine whose reader decides per request
+        how far back it needs a sliding-window pool (SGLang's ``trailing_pages``) asks
+        so. With any window in effect the result lists every restorable prefix.
+        """
+        return self.lookup_checked(check_hashes(block_hashes), windows=windows)
+
+    def lookup_checked(
+        self, hashes: list[bytes], *, windows: Mapping[int, int | None] | None = None
+    ) -> LookupResult:
         """:meth:`lookup` of hashes that :func:`check_hashes` passed already (a caller
         that checks them on the engine's thread, then asks on another)."""
         if self.closed:
             raise ConnectorClosed("lookup on a closed kvconn connector")
+        overrides = self._window_overrides(windows)
         self.stats.bump("lookups")
         if not hashes:
             return LookupResult(0, 0)
@@ -263,7 +280,11 @@ class Lookup:
                 if self.follow_markers
                 else []
             )
-            per_stage = [lookup_keys(keys.prefix, keys.plans, hashes) for keys in stages]
+            asked = [_asked_plans(keys.plans, overrides) for keys in stages]
+            per_stage = [
+                lookup_keys(keys.prefix, [p for p, _ in plans], hashes)
+                for keys, plans in zip(stages, asked)
+            ]
             flat = [k for per_block in per_stage for block in per_block for k in block]
             try:
                 present = self.calls.exists([*flat, *(k for _, _, k in watched)])
@@ -291,11 +312,44 @@ class Lookup:
                 ),
             )
         it = iter(present)
-        blocks = min(
-            keys.hit([[next(it) for _ in block] for block in per_block])
-            for keys, per_block in zip(stages, per_stage)
+        rows = [[[next(it) for _ in block] for block in per_block] for per_block in per_stage]
+        page_windows = [
+            [w for p, w in plans for _ in range(p.shard_class.shard_count)] for plans in asked
+        ]
+        tokens = self.layout.tokens_per_block
+        if all(w is None for stage in page_windows for w in stage):  # a prefix: the shortest
+            blocks = min(count_prefix_hit(r, None) for r in rows)
+            return LookupResult(blocks, blocks * tokens)
+        # with windows, the lengths every stage can restore (N may be one, N - 1 not)
+        common = set.intersection(
+            *(set(restorable_prefixes(r, w)) for r, w in zip(rows, page_windows))
         )
-        return LookupResult(blocks, blocks * self.layout.tokens_per_block)
+        ends = tuple(sorted(common))
+        blocks = ends[-1] if ends else 0
+        return LookupResult(blocks, blocks * tokens, restorable=ends)
+
+    def _window_overrides(self, windows: Mapping[int, int | None] | None) -> dict[int, int | None]:
+        """``windows`` checked against the layout's groups (an :class:`ArgumentError`
+        naming the group otherwise); what every group's window is for this lookup."""
+        groups = {g.index: g.window for g in self.layout.groups}
+        if windows is None:
+            return groups
+        for group, window in windows.items():
+            if group not in groups:
+                raise ArgumentError(
+                    f"windows names layer group {group!r}; the layout's groups are {sorted(groups)}"
+                )
+            if window is not None and (
+                isinstance(window, bool) or not isinstance(window, int) or window < 0
+            ):
+                raise ArgumentError(
+                    f"the window of layer group {group} must be None (every block), 0 (not "
+                    f"needed) or a number of blocks >= 1, got {window!r}"
+                )
+        merged = groups | dict(windows)
+        if all(w == 0 for w in merged.values()):
+            raise ArgumentError("windows leave no layer group a lookup needs (all are 0)")
+        return merged
 
     def close(self) -> None:
         if self.closed:
@@ -581,3 +635,11 @@ def _digest(h: object) -> bytes:
             f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r:.80}"
         )
     return bytes(h)
+
+
+def _asked_plans(
+    plans: Sequence[PagePlan], windows: Mapping[int, int | None]
+) -> list[tuple[PagePlan, int | None]]:
+    """The page kinds a lookup asks for, each with its window; a group whose window is
+    0 is not needed, so none of its keys is asked."""
+    return [(p, windows[p.group]) for p in plans if windows[p.group] != 0]

@@ -308,23 +308,32 @@ def count_prefix_hit(
 
     With windows the answer is not a prefix property: ``N`` may be a hit while ``N - 1``
     is not (a missing windowed page that ``N``'s window has left behind), as in vLLM's
-    own sliding-window cache hit, hence the scan over every ``N``.
+    own sliding-window cache hit, hence the scan over every ``N``
+    (:func:`restorable_prefixes` lists them all).
     """
-    if windows is not None and any(
-        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
-    ):
-        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
-    if windows is None or all(w is None for w in windows):
-        hit = 0
-        for present in per_block_present:
-            if windows is not None:
-                _check_page_count(hit, present, windows)
-            if not all(present):
-                break
-            hit += 1
-        return hit
+    if _windowless(windows):
+        return _full_prefix(per_block_present, windows)
+    return max(restorable_prefixes(per_block_present, windows), default=0)
+
+
+def restorable_prefixes(
+    per_block_present: Sequence[Sequence[bool]],
+    windows: Sequence[int | None] | None = None,
+) -> list[int]:
+    """Every ``N >= 1``, ascending, whose every needed page is present (as
+    :func:`count_prefix_hit`, which is the largest of them).
+
+    An engine that resumes from the last page of a hit only (SGLang's sliding-window and
+    state pools, ``restorable_prefix_pages``) needs them all: with windows, ``N`` and
+    ``N + 2`` may be hits while ``N + 1`` is not, and the ranks of a TP group agree on
+    a hit by intersecting these lists, which taking the smallest of their largest ``N``
+    would get wrong. Without windows they are ``1`` to the longest fully stored prefix.
+    """
+    if _windowless(windows):
+        return list(range(1, _full_prefix(per_block_present, windows) + 1))
+    assert windows is not None
     last_missing = [-1] * len(windows)  # per page: the last block before N without it
-    best = 0
+    found: list[int] = []
     for n, present in enumerate(per_block_present, start=1):
         _check_page_count(n - 1, present, windows)
         for j, there in enumerate(present):
@@ -333,8 +342,33 @@ def count_prefix_hit(
         if any(last_missing[j] >= 0 for j, w in enumerate(windows) if w is None):
             break  # a full page is missing: no longer prefix can be a hit either
         if all(last_missing[j] < max(0, n - w) for j, w in enumerate(windows) if w is not None):
-            best = n
-    return best
+            found.append(n)
+    return found
+
+
+def _windowless(windows: Sequence[int | None] | None) -> bool:
+    """Whether no page has a window (checking that each window is one)."""
+    if windows is None:
+        return True
+    if any(
+        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
+    ):
+        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
+    return all(w is None for w in windows)
+
+
+def _full_prefix(
+    per_block_present: Sequence[Sequence[bool]], windows: Sequence[int | None] | None
+) -> int:
+    """The longest prefix of blocks whose every page is present."""
+    hit = 0
+    for present in per_block_present:
+        if windows is not None:
+            _check_page_count(hit, present, windows)
+        if not all(present):
+            break
+        hit += 1
+    return hit
 
 
 def _check_page_count(block: int, present: Sequence[bool], windows: Sequence[int | None]) -> None:

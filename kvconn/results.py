@@ -28,6 +28,16 @@ class LookupResult:
     blocks: int
     tokens: int
     available: bool = True  # False: the backend could not answer; the hit reads as 0
+    #: Every hit length in blocks, ascending, when a sliding window is in effect: a
+    #: windowed group may make ``N`` a hit but not ``N - 1`` (``blocks`` is the largest).
+    #: ``None``: every length from 1 to ``blocks`` is a hit.
+    restorable: tuple[int, ...] | None = None
+
+    def prefixes(self) -> tuple[int, ...]:
+        """Every hit length in blocks, ascending (``1 .. blocks`` without windows)."""
+        if self.restorable is not None:
+            return self.restorable
+        return tuple(range(1, self.blocks + 1))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import pytest
 
 from kvconn.backend import Capabilities
 from kvconn.config import ConnectorConfig
-from kvconn.errors import BackendUnavailable, LayoutError
+from kvconn.errors import ArgumentError, BackendUnavailable, LayoutError
 from kvconn.hashing import block_hashes
 from kvconn.keys import parse_key
 from kvconn.layout import KvLayout
@@ -520,3 +520,90 @@ def test_a_marker_on_one_stage_keys_only_that_stage_per_rank():
     assert lookup.lookup(HASHES).blocks == 0
     assert lookup.stages[0].per_rank == {kind}
     assert lookup.keys.per_rank == frozenset()
+
+
+# ------------------------------------------------------------------ windows per lookup
+def _hybrid(window: int | None = None) -> KvLayout:
+    """A full-attention group and a sliding-window group, each over a pool of its own."""
+    from kvconn.layout import LayerGroup, Region, Role
+
+    roles = (Role("k", 2, "bf16"), Role("swa_k", 2, "bf16"))
+    groups = (
+        LayerGroup(0, 4, (Region("k", 0, 0, 64, 64, 4, pool=0),), "full"),
+        LayerGroup(1, 4, (Region("swa_k", 0, 0, 64, 64, 4, pool=1),), "swa", window=window),
+    )
+    return KvLayout(2, 32, roles, groups, (256, 256))
+
+
+def _store_windowed(store: DictBackend, layout: KvLayout, missing_swa: Sequence[int]) -> None:
+    """Every block's full pages, and its sliding-window pages but for ``missing_swa``."""
+    keys = PageKeys(CONFIG, layout)
+    full = [k for h in HASHES for k in keys.block_keys(h) if "/lg0/" in k]
+    swa = [
+        k
+        for i, h in enumerate(HASHES)
+        if i not in missing_swa
+        for k in keys.block_keys(h)
+        if "/lg1/" in k
+    ]
+    store.put(full + swa, [memoryview(b"x")] * len(full + swa))
+
+
+def test_a_window_given_per_lookup_makes_a_later_prefix_a_hit_past_a_hole():
+    layout = _hybrid()
+    store = DictBackend()
+    _store_windowed(store, layout, missing_swa=[1])
+    lookup = Lookup(CONFIG, layout, backend=store, follow_markers=False)
+    assert lookup.lookup(HASHES).blocks == 1  # the layout needs every sliding page
+    hit = lookup.lookup(HASHES, windows={1: 2})
+    assert (hit.blocks, hit.tokens, hit.restorable) == (4, 128, (1, 4))
+    assert hit.prefixes() == (1, 4)
+    assert lookup.lookup(HASHES).prefixes() == (1,)
+
+
+def test_a_group_whose_window_is_zero_is_not_asked_for():
+    layout = _hybrid()
+    store = DictBackend()
+    _store_windowed(store, layout, missing_swa=[0, 1, 2, 3])
+    lookup = Lookup(CONFIG, layout, backend=store, follow_markers=False)
+    store.calls.clear()
+    hit = lookup.lookup(HASHES, windows={1: 0})
+    assert (hit.blocks, hit.restorable) == (N, None)
+    full_keys = [k for k in PageKeys(CONFIG, layout).block_keys(HASHES[0]) if "/lg0/" in k]
+    assert store.calls == [("exists", N * len(full_keys))]
+
+
+def test_windows_override_the_layouts_window_for_one_lookup_only():
+    layout = _hybrid(window=1)
+    store = DictBackend()
+    _store_windowed(store, layout, missing_swa=[2])
+    lookup = Lookup(CONFIG, layout, backend=store, follow_markers=False)
+    assert lookup.lookup(HASHES).prefixes() == (1, 2, 4)
+    assert lookup.lookup(HASHES, windows={1: None}).prefixes() == (1, 2)
+    assert lookup.lookup(HASHES, windows={1: 3}).prefixes() == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("windows", "message"),
+    [
+        ({2: 1}, "names layer group 2; the layout's groups are \\[0, 1\\]"),
+        ({1: -1}, "window of layer group 1 must be None"),
+        ({1: True}, "window of layer group 1 must be None"),
+        ({0: 0, 1: 0}, "leave no layer group"),
+    ],
+)
+def test_windows_that_name_no_group_or_no_window_are_refused(windows, message):
+    lookup = Lookup(CONFIG, _hybrid(), backend=DictBackend())
+    with pytest.raises(ArgumentError, match=message):
+        lookup.lookup(HASHES, windows=windows)
+
+
+def test_pipeline_stages_agree_on_the_prefixes_every_stage_can_restore():
+    zero = _hybrid()
+    one = _stage(zero, 100)
+    store = DictBackend()
+    _store_windowed(store, zero, missing_swa=[1])
+    _store_windowed(store, one, missing_swa=[2])
+    lookup = Lookup(CONFIG, zero, backend=store, stages=[one], follow_markers=False)
+    # window 1: stage 0 restores 1, 3, 4 and stage 1 restores 1, 2, 4
+    assert lookup.lookup(HASHES, windows={1: 1}).prefixes() == (1, 4)

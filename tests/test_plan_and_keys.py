@@ -11,6 +11,7 @@ from kvconn.plan import (
     lookup_windows,
     plan_pages,
     rank_shares,
+    restorable_prefixes,
     share_key,
     writer_replica,
     writes,
@@ -137,6 +138,26 @@ def test_a_window_longer_than_the_hit_needs_every_block_from_the_first():
     present = [[T, F], [T, T]]
     assert count_prefix_hit(present, [None, 4]) == 0
     assert count_prefix_hit([[T, T], [T, T]], [None, 4]) == 2
+
+
+def test_every_restorable_prefix_is_listed_with_the_holes_a_window_leaves():
+    """SGLang intersects these lists over its ranks: the largest alone is not enough."""
+    present = [[T], [F], [T], [T], [F], [T]]
+    assert restorable_prefixes(present, [2]) == [1, 4]
+    assert count_prefix_hit(present, [2]) == 4
+    assert restorable_prefixes(present, [1]) == [1, 3, 4, 6]
+
+
+def test_without_windows_every_prefix_up_to_the_hit_is_restorable():
+    present = [[T, T], [T, T], [T, F], [T, T]]
+    assert restorable_prefixes(present) == [1, 2]
+    assert restorable_prefixes([]) == []
+    assert restorable_prefixes(present, [None, None]) == [1, 2]
+
+
+def test_a_full_page_missing_ends_the_restorable_prefixes_whatever_the_window():
+    present = [[T, T], [T, F], [F, T], [T, T]]
+    assert restorable_prefixes(present, [None, 1]) == [1]
 
 
 def test_windows_must_be_positive_and_name_every_page_of_a_block():
