@@ -6,10 +6,12 @@ Regions are declared in the order of SGLang's own flat page (``get_data_page``),
 stored page holds the same bytes SGLang's file backend would write for that layout.
 
 Each host pool is a layer group of its own, over a pool tensor of its own: the KV pool
-(the anchor) is group 0, and a side pool SGLang moves through its v2 calls
-(DeepSeek-V3.2's DSA indexer) is group 1. SGLang transfers each pool by its own call and
-reports each pool's pages separately, so each call moves exactly one group; the hit is
-still one lookup over every group (a block needs both pages).
+(the anchor) is group 0, and each side pool SGLang moves through its v2 calls is the next
+group (DeepSeek-V3.2's DSA indexer; a hybrid model's sliding-window K/V, ``swa``).
+SGLang transfers each pool by its own call and reports each pool's pages separately, so
+each call moves exactly one group; the hit is still one lookup over every group. The
+indexer moves with the KV pool's host indices; the SWA pool has host slots of its own
+(``own_slots``), since SGLang keeps only the pages at the end of a window there.
 
 The host layout is part of each role's dtype, hence of every key: ``page_first`` and
 ``page_first_direct`` pages have the same size but another byte order, and a reader in
@@ -30,7 +32,7 @@ component (K, V) and page::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +56,10 @@ class HostPoolShape:
     with their scales, one packed row per page and layer, identical on every rank:
     ``[layers, pages, bytes]`` in ``layer_first``, ``[pages, layers, 1, bytes]`` in the
     page-major layouts; SGLang allocates a page or two more than the KV pool, which no
-    transfer addresses). ``name`` is SGLang's name of the pool (``kv``, ``indexer``).
+    transfer addresses). ``name`` is SGLang's name of the pool (``kv``, ``indexer``,
+    ``swa``); a side pool's K/V roles are named after it (``swa_k``, ``swa_v``).
+    ``own_slots``: SGLang allocates the pool's host slots itself (SWA) instead of moving
+    it with the KV pool's host indices, so it may hold another number of pages.
     """
 
     kind: str
@@ -69,6 +74,7 @@ class HostPoolShape:
     #: ``start_layer`` to ``start_layer + layer_num - 1``, and its pages are keyed by
     #: those numbers, so two stages' pages of one block never share a key.
     start_layer: int = 0
+    own_slots: bool = False
 
     def __post_init__(self) -> None:
         first = self.start_layer
@@ -107,12 +113,14 @@ def describe_host_pool(
     tp_size: int,
     units: int,
     side_pools: Sequence[HostPoolShape] = (),
+    side_units: Mapping[str, int] | None = None,
 ) -> KvLayout:
     """The kvconn layout of one rank's host pools; ``units`` is the K/V role's (MHA).
 
     ``shape`` is the KV pool (layer group 0, pool 0); each of ``side_pools`` is the next
     group over the next pool, with the KV pool's slot numbering (SGLang moves a side
-    pool with the KV pool's host indices).
+    pool with the KV pool's host indices) or, with ``own_slots``, its own.
+    ``side_units`` gives an MHA side pool's K/V units by pool name (global KV heads).
     """
     for pool in (shape, *side_pools):
         if pool.layout not in SUPPORTED_LAYOUTS:
@@ -125,19 +133,26 @@ def describe_host_pool(
                 f"host pool {pool.name!r} of {pool.size} tokens is not a whole number of "
                 f"{pool.page_size}-token pages"
             )
-        if (pool.size, pool.page_size) != (shape.size, shape.page_size):
+        if pool.own_slots and pool.page_size != shape.page_size:
+            raise LayoutError(
+                f"host pool {pool.name!r} has {pool.page_size}-token pages, the KV pool "
+                f"{shape.page_size}-token pages: a block is one page of every pool"
+            )
+        if not pool.own_slots and (pool.size, pool.page_size) != (shape.size, shape.page_size):
             raise LayoutError(
                 f"host pool {pool.name!r} holds {pool.size} tokens in {pool.page_size}-token "
                 f"pages, the KV pool {shape.size} in {shape.page_size}-token pages: a side "
                 "pool must follow the KV pool's slots"
             )
-    pages = shape.size // shape.page_size
+    kv_pages = shape.size // shape.page_size
     roles: dict[str, Role] = {}
     groups: list[LayerGroup] = []
     for index, pool in enumerate((shape, *side_pools)):
         dtype = f"{str(pool.kv_buffer.dtype).removeprefix('torch.')}:{pool.layout}"
+        pages = pool.size // pool.page_size if pool.own_slots else kv_pages
+        pool_units = units if index == 0 else _side_units(pool, side_units)
         regions: list[Region] = []
-        for role, views in _components(pool, pages, units, dtype, roles):
+        for role, views in _components(pool, pages, pool_units, dtype, roles):
             regions.extend(
                 Region.from_tensor(role, layer, view, pool.kv_buffer, index, unit_dim)
                 for layer, view, unit_dim in views
@@ -153,6 +168,15 @@ def describe_host_pool(
             p.kv_buffer.numel() * p.kv_buffer.element_size() for p in (shape, *side_pools)
         ),
     )
+
+
+def _side_units(pool: HostPoolShape, side_units: Mapping[str, int] | None) -> int:
+    """An MHA side pool's K/V units, which the caller must give (1 for any other)."""
+    if pool.kind != "mha":
+        return 1
+    if side_units is None or pool.name not in side_units:
+        raise LayoutError(f"host pool {pool.name!r} holds K/V heads, and no units were given")
+    return side_units[pool.name]
 
 
 #: A region of one role: its layer, its view (pages along dim 0, in the order of SGLang's
@@ -195,9 +219,10 @@ def _components(
         _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
         return [(role, [(first, buffer[:pages].reshape(pages, -1), None)])]
     if pool.kind == "mha":
+        named = "" if pool.name == "kv" else f"{pool.name}_"  # a side pool's roles: its own
         components = [
-            (declare(Role("k", units, dtype)), buffer[0]),
-            (declare(Role("v", units, dtype)), buffer[1]),
+            (declare(Role(f"{named}k", units, dtype)), buffer[0]),
+            (declare(Role(f"{named}v", units, dtype)), buffer[1]),
         ]
     elif pool.kind == "mla":
         components = [(declare(Role("latent", 1, dtype)), buffer)]

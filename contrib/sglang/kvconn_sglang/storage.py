@@ -22,12 +22,23 @@ What kvconn changes compared with SGLang's own backends:
   no other rank makes is read by its rank alone.
 
 SGLang's hybrid controller also moves side pools through its v2 calls (``batch_*_v2``,
-one :class:`PoolTransfer` per pool): DeepSeek-V3.2's DSA indexer, registered with
-``register_mem_host_pool_v2``, is stored once for the group like the MLA latent, as a
-layer group of its own (:mod:`kvconn_sglang.host_layout`). Each call moves the pool it
-names and answers for it alone, as SGLang expects; the hit stays one lookup over every
-pool. Side pools that are not KV per page (Mamba, SWA state, DeepSeek-V4's compressed
-pools, draft pools) are refused by name when SGLang registers them.
+one :class:`PoolTransfer` per pool), each a layer group of its own
+(:mod:`kvconn_sglang.host_layout`), registered with ``register_mem_host_pool_v2``:
+
+* DeepSeek-V3.2's DSA indexer is stored once for the group like the MLA latent, and a
+  hit needs it for every page;
+* a hybrid sliding-window model's SWA K/V (gpt-oss, Gemma, MiMo: SGLang's ``SWAKVPool``)
+  is keyed by head like the KV pool. SGLang keeps it, on host slots of its own, only for
+  the last pages of each node, and resumes a request from the window that ends its hit
+  (hit policy ``trailing_pages``): a hit of ``N`` pages needs the SWA pages of the
+  last ``W`` of them only, ``W`` being the window SGLang names in the query. So ``N``
+  may be a hit where ``N - 1`` is not, and ``batch_exists_v2`` lists every such ``N``
+  (``restorable_prefix_pages``), which SGLang intersects over its ranks.
+
+Each call moves the pool it names and answers for it alone, as SGLang expects; the hit
+stays one lookup over every pool. Side pools that are not KV per page (Mamba state,
+DeepSeek-V4's compressed pools, draft pools) are refused by name when SGLang registers
+them.
 
 Under pipeline parallelism each stage's controller has a backend object of its own over
 the stage's layers; pages are keyed by the model's layer numbers (the host pool's
@@ -113,6 +124,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         self.page_size = 0
         #: The layer group of each pool SGLang names in its calls (``kv`` is group 0).
         self.pool_groups: dict[str, int] = {}
+        self.trailing_groups: frozenset[int] = frozenset()
         # The pools registered so far: the layout is made once SGLang has registered
         # them all (on_host_pools_registered), since a connector's layout is fixed.
         self._kv_shape: HostPoolShape | None = None
@@ -141,6 +153,14 @@ class KvconnHiCacheStorage(HiCacheStorage):
         name = str(host_pool_name)
         if name != PoolName.KV:
             shape = _side_pool_shape(host_pool, name)
+            if shape.own_slots and self.storage_config.pp_size > 1:
+                raise ConfigError(
+                    f"the kvconn HiCache backend cannot store the {name!r} pool under "
+                    f"pipeline parallelism (pp_size={self.storage_config.pp_size}): "
+                    "SGLang's hybrid sliding-window pools number their layers from 0 on "
+                    "every stage, so two stages' pages would share keys; run without L3 "
+                    "storage or at pp_size=1"
+                )
             if self.connector is not None:
                 raise ConfigError(
                     f"the {name!r} pool was registered after the kvconn HiCache backend "
@@ -175,7 +195,9 @@ class KvconnHiCacheStorage(HiCacheStorage):
         config = self.settings.connector
         if shard_heads != config.shard_heads:
             config = dataclasses.replace(config, shard_heads=shard_heads)
-        layout = describe_host_pool(shape, self.storage_config.tp_size, units, side_pools)
+        tp = self.storage_config.tp_size
+        side_units = {pool.name: self._swa_units(pool) for pool in side_pools if pool.kind == "mha"}
+        layout = describe_host_pool(shape, tp, units, side_pools, side_units)
         if self.storage_config.should_split_heads:
             try:  # what the connector will plan, refused here naming tp_lcm_size
                 plan_pages(layout, config.checksum, shard_heads)
@@ -201,6 +223,11 @@ class KvconnHiCacheStorage(HiCacheStorage):
         self.pool_groups = {str(PoolName.KV): 0} | {
             pool.name: group for group, pool in enumerate(side_pools, start=1)
         }
+        #: The groups a hit needs only where SGLang asks for them, and then only for
+        #: the window it names (``trailing_pages``): the pools with slots of their own.
+        self.trailing_groups = frozenset(
+            self.pool_groups[pool.name] for pool in side_pools if pool.own_slots
+        )
         log.info(
             "kvconn HiCache storage: rank %d/%d, %s%s %s pages of %d tokens%s, backend %r, "
             "K/V units %s%s, writers %s",
@@ -241,6 +268,24 @@ class KvconnHiCacheStorage(HiCacheStorage):
         except LayoutError as exc:
             log.warning("kvconn HiCache storage: %s; keying every rank's K/V separately", exc)
             return kv_units(shape.head_num, tp, None)
+
+    def _swa_units(self, pool: HostPoolShape) -> int:
+        """The SWA pool's K/V units: the model's SWA KV head count, checked against the
+        pool's heads as the KV pool's is. A count unknown or not the pool's keys every
+        rank's heads apart: assumed wrongly, it would store two ranks' different heads
+        as one page."""
+        tp = self.storage_config.tp_size
+        config = _served_model_config()
+        served = None if config is None else swa_kv_heads(config)
+        try:
+            return kv_units(pool.head_num, tp, served)
+        except LayoutError as exc:
+            log.warning(
+                "kvconn HiCache storage: the %r pool: %s; keying every rank's K/V separately",
+                pool.name,
+                exc,
+            )
+            return kv_units(pool.head_num, tp, None)
 
     def _split_label(self, kv_heads: int | None) -> str:
         config = self.storage_config
@@ -361,10 +406,13 @@ class KvconnHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """Pages of the longest prefix whose every page, of every rank and every pool,
-        is stored."""
+        is stored; a sliding-window pool only where ``batch_exists_v2`` names it (SGLang
+        asks here when the request loads no window: a short span inside the tree)."""
         if not keys:
             return 0
-        return self._require().lookup(adopt_hashes(HASH_SCHEME, keys)).blocks
+        connector = self._require()
+        windows = dict.fromkeys(self.trailing_groups, 0)
+        return connector.lookup(adopt_hashes(HASH_SCHEME, keys), windows=windows).blocks
 
     def batch_get_v1(
         self,
@@ -406,28 +454,39 @@ class KvconnHiCacheStorage(HiCacheStorage):
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The hit of every registered pool together, from one lookup (DESIGN rule 3).
+        """The hit of every pool SGLang needs, together, from one lookup (DESIGN rule 3).
 
-        ``kv_hit_pages`` is the longest prefix whose every page of every pool is stored,
-        whichever pools SGLang lists; each pool listed, and KV, is reported at that hit:
-        no pool can serve a page there without the others. Pools whose hit is zero are
-        left out, as SGLang's own backends do.
+        ``kv_hit_pages`` is the longest prefix whose every needed page is stored: every
+        page of the KV pool and of a pool moved with it (the DSA indexer), whichever
+        pools SGLang lists; of a sliding-window pool (``trailing_pages``), the last
+        ``len(keys)`` pages of the prefix (SGLang's window, placeholder keys), and none
+        when SGLang does not list it. ``restorable_prefix_pages`` is every such prefix:
+        with a window, 5 may be one where 4 is not. Each pool listed, and KV, is
+        reported at the hit: no pool can serve a page there without the others. Pools
+        whose hit is zero are left out, as SGLang's own backends do.
         """
-        self._require()
+        connector = self._require()
         transfers = list(pool_transfers or [])
+        windows: dict[int, int | None] = dict.fromkeys(self.trailing_groups, 0)
         for transfer in transfers:
-            self._group_of(transfer.name)
-            if transfer.hit_policy != PoolHitPolicy.ALL_PAGES:
-                policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+            group = self._group_of(transfer.name)
+            policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
+            if group in self.trailing_groups and policy == PoolHitPolicy.TRAILING_PAGES:
+                windows[group] = max(1, len(transfer.keys or ()))
+            elif group in self.trailing_groups or policy != PoolHitPolicy.ALL_PAGES:
+                wants = "all_pages" if group in self.trailing_groups else "trailing_pages"
                 raise ConfigError(
                     f"the {str(transfer.name)!r} pool asks for hit policy {policy}; kvconn "
-                    "stores only pools needed for every page of a hit (all_pages)"
+                    f"stores it for hit policy {wants}"
                 )
-        hit = self.batch_exists(keys)
+        if not keys:
+            return PoolTransferResult(0, {}, [])
+        found = connector.lookup(adopt_hashes(HASH_SCHEME, keys), windows=windows)
+        hit = found.blocks
         if hit == 0:
             return PoolTransferResult(0, {}, [])
         pools = {PoolName.KV: hit} | {transfer.name: hit for transfer in transfers}
-        return PoolTransferResult(hit, pools, list(range(1, hit + 1)))
+        return PoolTransferResult(hit, pools, list(found.prefixes()))
 
     def batch_get_v2(
         self,
@@ -664,10 +723,8 @@ def _shape_of(pool: Any) -> HostPoolShape:
 _SIDE_POOLS_REFUSED = {
     "mamba": "it holds recurrent state at checkpoint pages, needed only at a hit's last "
     "page (hit policy trailing_pages), not KV per page",
-    "swa": "its sliding-window KV is needed only in the pages that end a hit (hit policy "
-    "trailing_pages), which this adapter does not describe yet",
-    "auxiliary_swa": "its sliding-window KV is needed only in the pages that end a hit "
-    "(hit policy trailing_pages), which this adapter does not describe yet",
+    "swa": "kvconn stores a sliding-window pool of K/V heads (MHATokenToKVPoolHost), not this one",
+    "auxiliary_swa": "an auxiliary sliding-window pool is not stored yet",
     "draft": "speculative decoding's draft pools are not stored yet",
     "draft_indexer": "speculative decoding's draft pools are not stored yet",
     "draft_swa": "speculative decoding's draft pools are not stored yet",
@@ -675,8 +732,9 @@ _SIDE_POOLS_REFUSED = {
 
 
 def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
-    """A side pool kvconn stores per page (DeepSeek-V3.2's DSA indexer), or a
-    :class:`ConfigError` naming the pool and why it is not stored.
+    """A side pool kvconn stores per page (DeepSeek-V3.2's DSA indexer, a hybrid model's
+    sliding-window K/V), or a :class:`ConfigError` naming the pool and why it is not
+    stored.
 
     The DSA index keys are computed from a projection every rank holds whole, so every
     rank's indexer pool holds the same bytes: stored once for the group, like the MLA
@@ -697,6 +755,9 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
             name=name,
             start_layer=pool.start_layer,
         )
+    if name == PoolName.SWA and type(pool) is MHATokenToKVPoolHost:
+        # K/V heads of the sliding-window layers, on SGLang's own SWA host slots
+        return dataclasses.replace(_shape_of(pool), name=name, own_slots=True)
     if name == PoolName.INDEXER:
         reason = "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost), not this one"
     elif name.startswith("deepseek_v4_"):
@@ -720,15 +781,35 @@ def _published_server_args() -> Any:
         return None
 
 
-def _served_kv_heads() -> int | None:
-    """The served model's global KV head count, from the config SGLang published."""
+def _served_model_config() -> Any:
+    """SGLang's ``ModelConfig`` of the served model, or ``None`` when it cannot be read."""
     try:
         from sglang.srt.configs.model_config import ModelConfig
 
         server_args = _published_server_args()
         if server_args is None:
             return None
-        return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+        return ModelConfig.from_server_args(server_args)
     except Exception as exc:  # a config SGLang cannot read
         log.info("kvconn HiCache storage: the model's KV head count is unknown (%s)", exc)
         return None
+
+
+def _served_kv_heads() -> int | None:
+    """The served model's global KV head count, from the config SGLang published."""
+    config = _served_model_config()
+    return None if config is None else int(config.get_total_num_kv_heads())
+
+
+def swa_kv_heads(config: Any) -> int:
+    """The global KV head count of a model's sliding-window layers, by SGLang's own rule
+    (``ModelConfig.get_swa_num_kv_heads``, which gives it per rank): the config's
+    ``swa_num_key_value_heads``, Step-3.5's ``num_attention_groups``, else the full
+    layers' count (``SWAKVPool`` then gives both pools one head count)."""
+    text = config.hf_text_config
+    if hasattr(text, "swa_num_key_value_heads"):
+        return int(text.swa_num_key_value_heads)
+    other = getattr(text, "attention_other_setting", None)
+    if other is not None:
+        return int(other.get("num_attention_groups"))
+    return int(config.get_total_num_kv_heads())

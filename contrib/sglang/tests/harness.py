@@ -21,6 +21,14 @@ own builder for that group (``build_host_pool_group``) cannot run on this CPU ma
 pins the host buffers with ``cudaHostRegister`` ("AssertionError: Torch not compiled
 with CUDA enabled"), so the harness builds the same two host pool classes itself, with
 ``pin_memory=False``, from the device pool's own declaration of the indexer pool.
+
+An ``swa`` case is a hybrid sliding-window model's cache (gpt-oss, Gemma): SGLang's
+``SWAKVPool`` on the device (full-attention layers and sliding-window layers in pools of
+their own), an MHA host pool for each in a ``HostPoolGroup`` (the SWA one smaller, with
+host slots of its own), under the ``HybridCacheController``. The harness hands it the
+transfers SGLang's SWA component builds (``SWAComponent.build_hicache_transfers``): on
+backup the SWA pages at the end of each node, with their page keys; on prefetch a
+window of placeholder keys, which the controller replaces by the hit's last pages.
 """
 
 from __future__ import annotations
@@ -56,7 +64,9 @@ class Case:
     """
 
     name: str
-    model: str = "mha"  # "mha", "mla" or "dsa" (MLA + DeepSeek-V3.2's indexer pool)
+    #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool) or "swa" (MHA full
+    #: layers + MHA sliding-window layers, ``layers`` of each)
+    model: str = "mha"
     layout: str = "layer_first"
     page_size: int = 4
     layers: int = 2
@@ -78,6 +88,17 @@ class Case:
     #: The ``WORLD`` processes are pipeline stages at TP=1, not TP ranks: stage ``r``
     #: holds the model's layers ``r * layers`` to ``(r + 1) * layers - 1``.
     pipeline: bool = False
+    #: ``swa``: SGLang's window in pages (``SWAComponent.full_window_pages``), and the
+    #: pages whose SWA K/V the backups store (default: the last ``swa_window``), as the
+    #: backups of several radix nodes would, each storing its own last pages.
+    swa_window: int = 2
+    swa_stored: tuple[int, ...] | None = None
+
+    @property
+    def swa_pages(self) -> tuple[int, ...]:
+        if self.swa_stored is not None:
+            return self.swa_stored
+        return tuple(range(self.pages - self.swa_window, self.pages))
 
     @property
     def tp_size(self) -> int:
@@ -111,8 +132,8 @@ class EvictPage:
 
     ``component`` is the page's shard segment (``w2r1``, ``replicated``), so a test can
     take away a page that only one rank loads; ``group`` its layer group (``1``: the
-    indexer pool of a ``dsa`` case); ``rank`` the rank whose pages it names (a pipeline
-    stage names its own layers' pages only).
+    indexer pool of a ``dsa`` case, the SWA pool of an ``swa`` case); ``rank`` the rank
+    whose pages it names (a pipeline stage names its own layers' pages only).
     """
 
     block: int
@@ -177,7 +198,7 @@ def _write_model_config(path: str, case: Case) -> None:
         "vocab_size": 256,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": case.layers * case.pp_size,
+        "num_hidden_layers": case.layers * case.pp_size * (2 if case.model == "swa" else 1),
         "num_attention_heads": 4 * case.global_kv_heads,
         "num_key_value_heads": case.global_kv_heads,
         "head_dim": case.head_dim,
@@ -242,13 +263,14 @@ def _publish(case: Case, rank: int, model_dir: str) -> None:
 @dataclass
 class Pools:
     """What a case's controller runs over: SGLang's allocator, the KV host pool, the DSA
-    indexer host pool (``dsa``) and the host pool object the controller gets (the
-    ``HostPoolGroup`` of both for ``dsa``)."""
+    indexer host pool (``dsa``) or the SWA host pool (``swa``), and the host pool object
+    the controller gets (the ``HostPoolGroup`` of both for ``dsa`` and ``swa``)."""
 
     allocator: Any
     host: Any
     indexer: Any = None
     controller_pool: Any = None
+    swa: Any = None  # the sliding-window layers' host pool (``swa``)
 
 
 def _pools(case: Case, rank: int) -> Pools:
@@ -269,6 +291,8 @@ def _pools(case: Case, rank: int) -> Pools:
     first = case.start_layer(rank)
     layers = {"start_layer": first, "end_layer": first + case.layers}
     common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": case.page_size}
+    if case.model == "swa":
+        return _swa_pools(case, tokens, dtype, common)
     if case.model == "mha":
         device = MHATokenToKVPool(
             tokens,
@@ -327,6 +351,57 @@ def _pools(case: Case, rank: int) -> Pools:
     if case.model != "dsa":
         return Pools(allocator, host, controller_pool=host)
     return _dsa_pools(case, allocator, device, host)
+
+
+def _swa_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> Pools:
+    """SGLang's ``SWAKVPool`` (sliding-window layers at even model indices, full ones at
+    odd) and an MHA host pool for each in a ``HostPoolGroup``, as SGLang's SWA stack
+    (``_SwaStrategy``: ``build_hybrid_swa_group`` with separate host pools) makes them;
+    only pinning is left out. The SWA pools hold half the KV pool's tokens."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        _mha_host_inputs,
+        _swa_layer_mappings,
+        build_pool_entry,
+    )
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    device = SWAKVPool(
+        size=tokens,
+        size_swa=tokens // 2,
+        page_size=case.page_size,
+        dtype=dtype,
+        head_num=case.heads,
+        head_dim=case.head_dim,
+        swa_attention_layer_ids=list(range(0, 2 * case.layers, 2)),
+        full_attention_layer_ids=list(range(1, 2 * case.layers, 2)),
+        device="cpu",
+    )
+    hosts = []
+    for pool in (device.full_kv_pool, device.swa_kv_pool):
+        cls, info, kwargs = _mha_host_inputs(pool)
+        hosts.append(cls(info, layout=case.layout, pin_memory=False, **common, **kwargs))
+    full_layers, swa_layers = _swa_layer_mappings(device)
+    entries = [
+        build_pool_entry(
+            name=name,
+            host_pool=host,
+            device_pool=pool,
+            layer_mapping=layers,
+            transfer_layer_id_max=2 * case.layers,
+            is_anchor=name == PoolName.KV,
+        )
+        for name, host, pool, layers in (
+            (PoolName.KV, hosts[0], device.full_kv_pool, full_layers),
+            (PoolName.SWA, hosts[1], device.swa_kv_pool, swa_layers),
+        )
+    ]
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, case.page_size, dtype, "cpu", device.full_kv_pool, False
+    )
+    return Pools(allocator, hosts[0], controller_pool=HostPoolGroup(entries), swa=hosts[1])
 
 
 def _dsa_pools(case: Case, allocator: Any, device: Any, host: Any) -> Pools:
@@ -431,14 +506,14 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         model_name="kvconn-test-model",
         storage_backend_extra_config=dict(case.extra_config),
     )
-    if case.model == "dsa":
+    if case.model in ("dsa", "swa"):
         controller = HybridCacheController(
             pools.allocator,
             pools.controller_pool,
             ps,
             dist.group.WORLD,
             threading.Event(),
-            transfer_layer_id_max=case.layers,
+            transfer_layer_id_max=case.layers * (2 if case.model == "swa" else 1),
             **common,
         )
     elif case.pipeline:
@@ -460,6 +535,8 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         )
     # What each pool holds, for writing known bytes and reading them back.
     side = {"kv": host} | ({"indexer": pools.indexer} if pools.indexer is not None else {})
+    if pools.swa is not None:
+        side["swa"] = pools.swa
     result: dict[str, Any] = {"rank": rank, "case": asdict(case) | {"between_hit_and_get": None}}
     try:
         storage = controller.storage_backend
@@ -479,13 +556,25 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         result["cold_hit_tokens"] = _hit_query(controller, case, "cold", tokens)[1]
         written = host.alloc(len(tokens))
         for name, pool in side.items():
+            if name == "swa":
+                continue
             for i in range(case.pages):
                 pool.set_from_flat_data_page(int(written[i * ps]), page(name, i).view(dtypes[name]))
-        controller.write_storage(written, tokens, hash_value=hashes, **_sidecars(case, keys=hashes))
+        sidecars = _sidecars(case, keys=hashes)
+        if pools.swa is not None:  # the SWA pages of the stored window, on their own slots
+            swa_written = pools.swa.alloc(len(case.swa_pages) * ps)
+            for j, i in enumerate(case.swa_pages):
+                pools.swa.set_from_flat_data_page(
+                    int(swa_written[j * ps]), page("swa", i).view(dtypes["swa"])
+                )
+            sidecars = {"extra_pools": [_swa_backup(case, hashes, swa_written)]}
+        controller.write_storage(written, tokens, hash_value=hashes, **sidecars)
         backup = _wait(controller.ack_backup_queue, "backup ack")
         result["backup_completed_tokens"] = backup.completed_tokens
         dist.barrier()
         host.free(written)
+        if pools.swa is not None:
+            pools.swa.free(swa_written)
         for pool in side.values():  # what is read back must come from the store
             _buffer(pool).zero_()
 
@@ -500,6 +589,10 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         dist.barrier()
         target = host.alloc(hit)
         op.host_indices = target
+        swa_load = None
+        if pools.swa is not None and hit:  # SGLang's SWA staging: the planned window
+            (swa_load,) = op.pool_transfers
+            swa_load.host_indices = pools.swa.alloc(len(swa_load.keys) * ps)
         if case.terminated_on == rank:
             op.mark_terminate()
         controller.prefetch_buffer.put(op)
@@ -508,10 +601,18 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             ack = _wait(controller.ack_prefetch_queue, "prefetch ack")
             if ack.completed_tokens is not None:
                 completed = max(completed, ack.completed_tokens)
+            if getattr(ack, "pool_hits", None) and "swa" in ack.pool_hits:
+                # the SWA pages loaded, MIN over the group: what the radix cache is told
+                result["swa_loaded_pages"] = ack.pool_hits["swa"]
             if ack.completed_req:
                 break
         result["loaded_tokens"] = completed
+        if swa_load is not None:  # the controller keyed the window at the loaded pages
+            expected = lambda i: page("swa", i)  # noqa: E731
+            result.update(_swa_loaded(swa_load, pools.swa, hashes, expected, ps))
         for name, pool in side.items():
+            if name == "swa":
+                continue
             matches = []
             untouched = []
             for i in range(hit // ps):
@@ -561,10 +662,19 @@ def _buffer(pool: Any) -> Any:
 def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
     """The side-pool transfers SGLang's radix cache hands a hybrid controller with a
     backup or a prefetch (``UnifiedRadixCache._build_sidecar_transfers``): for DSA, the
-    indexer pool, moved with the KV pool's host indices and keys."""
+    indexer pool, moved with the KV pool's host indices and keys; for SWA, a prefetch's
+    window of placeholder keys (``SWAComponent``, phase ``PREFETCH``)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    if case.model == "swa":
+        window = PoolTransfer(
+            name=PoolName.SWA,
+            keys=["__placeholder__"] * case.swa_window,
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+        return {"extra_pools": [window]}
     if case.model != "dsa":
         return {}
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     indexer = PoolTransfer(
         name=PoolName.INDEXER,
@@ -573,6 +683,39 @@ def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
         indices_from_pool=PoolName.KV,
     )
     return {"extra_pools": [indexer]}
+
+
+def _swa_backup(case: Case, hashes: list[str], host_indices: Any) -> Any:
+    """The SWA transfer SGLang's SWA component adds to a backup: the stored window's
+    pages (``swa_pages``) on their SWA host slots, under their page keys."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    return PoolTransfer(
+        name=PoolName.SWA,
+        host_indices=host_indices,
+        keys=[hashes[i] for i in case.swa_pages],
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+
+
+def _swa_loaded(
+    transfer: Any, pool: Any, hashes: list[str], expected: Any, ps: int
+) -> dict[str, Any]:
+    """Which pages the controller keyed the SWA load at (the window ending at the loaded
+    pages), whether each arrived with its bytes, and whether each is still zero (a page
+    that did not arrive must be left untouched)."""
+    import torch
+
+    pages = [hashes.index(key) for key in transfer.keys]
+    got = [
+        _bytes(pool.get_data_page(int(transfer.host_indices[j * ps]), flat=True))
+        for j in range(len(pages))
+    ]
+    return {
+        "swa_window_pages": pages,
+        "swa_pages_equal": [bool(torch.equal(g, expected(i))) for g, i in zip(got, pages)],
+        "swa_pages_zero": [bool((g == 0).all()) for g in got],
+    }
 
 
 def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
@@ -587,7 +730,7 @@ def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
 
 def _hit_query(controller: Any, case: Case, rid: str, tokens: list[int]) -> tuple[Any, int]:
     """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
-    if case.model == "dsa":  # the hybrid controller takes a request handle
+    if case.model in ("dsa", "swa"):  # the hybrid controller takes a request handle
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         op = controller.prefetch(CacheRequestHandle(rid, 0), tokens, **_sidecars(case))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -387,7 +389,7 @@ def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
     ("name", "why"),
     [
         ("mamba", "recurrent state"),
-        ("swa", "sliding-window"),
+        ("swa", "MHATokenToKVPoolHost"),  # an SWA pool of another kind (MLA, DeepSeek-V4)
         ("deepseek_v4_c4", "DeepSeek-V4"),
         ("draft", "draft pools"),
         # MiniMax-M3's or QSA's indexer is not DeepSeek-V3.2's DSAIndexerPoolHost
@@ -588,3 +590,128 @@ def test_a_stalled_put_does_not_hold_sglangs_backup_thread_past_load_timeout_s(c
     finally:
         store.release("put")
         storage.close()
+
+
+# ------------------------------------------------------------------ sliding-window pools
+def swa_shape(layout="page_first", pages=6, ps=4, layers=2, heads=2, dim=8):
+    """An SWA host pool (SGLang's MHATokenToKVPoolHost over the SWA layers), with host
+    slots of its own: fewer pages than the KV pool."""
+    shape = mha_shape(layout, pages=pages, ps=ps, layers=layers, heads=heads, dim=dim)
+    return dataclasses.replace(shape, name="swa", own_slots=True)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_the_swa_pool_is_a_layer_group_of_its_own_slots_keyed_by_head(layout):
+    kv, swa = mha_shape(layout, pages=10), swa_shape(layout, pages=6)
+    described = describe_host_pool(kv, 2, 4, [swa], {"swa": 4})
+    assert described.group(0).num_slots == 10 and described.group(1).num_slots == 6
+    assert {r.role for r in described.group(1).regions} == {"swa_k", "swa_v"}
+    assert {r.pool for r in described.group(1).regions} == {1}
+    plans = plan_pages(described)
+    assert [(p.group, p.shard_class.label) for p in plans] == [(0, "w2"), (1, "w2")]
+
+
+def test_an_swa_pool_with_other_pages_than_the_kv_pool_is_refused():
+    odd = dataclasses.replace(swa_shape(), page_size=2)
+    with pytest.raises(LayoutError, match="2-token pages, the KV pool 4-token pages"):
+        describe_host_pool(mha_shape("page_first", pages=10), 2, 4, [odd], {"swa": 4})
+
+
+def test_an_swa_pool_under_pipeline_parallelism_is_refused_by_name():
+    """SGLang's hybrid SWA pools number their layers from 0 on every stage."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    pool = object.__new__(MHATokenToKVPoolHost)
+    shape = swa_shape()
+    for name, value in dataclasses.asdict(shape).items():
+        if name not in ("kind", "name", "own_slots", "size"):
+            setattr(pool, name, value)
+    pool.size = shape.size
+    storage = KvconnHiCacheStorage(storage_config(pp_size=2))
+    with pytest.raises(ConfigError, match="'swa' pool under pipeline parallelism"):
+        storage.register_mem_host_pool_v2(pool, PoolName.SWA)
+    plain = KvconnHiCacheStorage(storage_config())
+    plain.register_mem_host_pool_v2(pool, PoolName.SWA)
+    assert plain._side_pools["swa"].own_slots
+
+
+@pytest.fixture
+def swa_storage(tmp_path):
+    """One rank's storage over a KV pool of 10 pages and an SWA pool of 6, on LMDB."""
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1))
+    kv, swa = mha_shape("page_first", pages=10), swa_shape(pages=6)
+    kv.kv_buffer.normal_()
+    swa.kv_buffer.normal_()
+    storage.attach(kv, side_pools=[swa], backend=load_backend("lmdb", {"path": str(tmp_path)}))
+    yield storage, kv.kv_buffer, swa.kv_buffer
+    storage.close()
+
+
+def swa(keys, host_indices=None):
+    return PoolTransfer(
+        name=PoolName.SWA,
+        keys=keys,
+        host_indices=host_indices,
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+
+
+SIX = [f"{i:064x}" for i in range(1, 7)]
+
+
+def window(pages):
+    """SGLang's prefetch query: placeholder keys, one per page of the window."""
+    return swa(["__placeholder__"] * pages)
+
+
+def test_a_hit_needs_the_swa_pages_of_its_window_only(swa_storage):
+    storage = swa_storage[0]
+    assert storage.batch_set_v1(SIX, torch.arange(0, 24)) == [True] * 6
+    # SGLang backs up a node's trailing SWA pages: pages 3 and 5 of the six (0-based)
+    assert storage.batch_set_v2([swa([SIX[2], SIX[3]], torch.arange(0, 8))]) == {"swa": [True] * 2}
+    assert storage.batch_set_v2([swa(SIX[5:], torch.arange(8, 12))]) == {"swa": [True]}
+    # without a window SGLang asks for the KV pages alone (v1: no SWA to load)
+    assert storage.batch_exists(SIX) == 6
+    # a 2-page window: prefixes 4 (pages 2-3) and 6 (4-5)? page 4 is missing, so only 4
+    hit = storage.batch_exists_v2(SIX, [window(2)])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (4, [4])
+    assert hit.extra_pool_hit_pages == {"kv": 4, "swa": 4}
+    # a 1-page window: 3, 4 and 6, each ending on a stored SWA page
+    hit = storage.batch_exists_v2(SIX, [window(1)])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (6, [3, 4, 6])
+
+
+def test_a_window_reaching_before_the_span_needs_only_the_spans_pages(swa_storage):
+    storage = swa_storage[0]
+    storage.batch_set_v1(SIX[:2], torch.arange(0, 8))
+    storage.batch_set_v2([swa(SIX[:2], torch.arange(0, 8))])
+    hit = storage.batch_exists_v2(SIX[:2], [window(4)])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (2, [1, 2])
+
+
+def test_the_swa_pages_load_into_their_own_host_slots_and_nothing_else(swa_storage):
+    storage, kv, pool = swa_storage
+    storage.batch_set_v1(SIX, torch.arange(0, 24))
+    # pages 4-5 of the block chain sit in SWA slots 1 and 4
+    slots = torch.cat([torch.arange(4, 8), torch.arange(16, 20)])
+    assert storage.batch_set_v2([swa(SIX[4:], slots)]) == {"swa": [True, True]}
+    kv_pages, swa_pages = kv.clone(), pool.clone()
+    kv.zero_()
+    pool.zero_()
+    assert storage.batch_get_v2([swa(SIX[4:], torch.arange(8, 16))]) == {"swa": [True, True]}
+    assert torch.equal(pool[:, 8:12], swa_pages[:, 4:8])
+    assert torch.equal(pool[:, 12:16], swa_pages[:, 16:20])
+    assert int(torch.count_nonzero(pool[:, :8])) == int(torch.count_nonzero(pool[:, 16:])) == 0
+    assert int(torch.count_nonzero(kv)) == 0  # the KV pool is not touched
+    # a window page never stored fails, and so does every page after it (SGLang counts
+    # a pool's leading successes)
+    assert storage.batch_get_v2([swa(SIX[3:5], torch.arange(0, 8))]) == {"swa": [False, False]}
+    assert storage.batch_get_v1(SIX, torch.arange(0, 24)) == [True] * 6
+    assert torch.equal(kv[:, :24], kv_pages[:, :24])
+
+
+def test_an_swa_pool_asked_for_every_page_is_refused(swa_storage):
+    storage = swa_storage[0]
+    every = PoolTransfer(name=PoolName.SWA, keys=None, hit_policy=PoolHitPolicy.ALL_PAGES)
+    with pytest.raises(ConfigError, match="'swa' pool asks for hit policy all_pages"):
+        storage.batch_exists_v2(SIX, [every])

@@ -50,6 +50,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mooncake-gqa-duplicated": ("mooncake", {"heads": 1, "kv_heads": 1}),
     # the MLA latent and DeepSeek-V3.2's indexer: rank 0 saves, both ranks load
     "mooncake-dsa-layer-first": ("mooncake", {"model": "dsa", "page_size": DSA_PAGE}),
+    # a hybrid sliding-window model: the KV pages and the SWA pages of a 2-page window
+    "mooncake-swa-page-first": ("mooncake", {"model": "swa", "layout": "page_first"}),
 }
 
 
@@ -119,6 +121,9 @@ def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes_from_the
         assert r["pages_equal"] == [True] * pages, f"rank {r['rank']}"
         if case.model == "dsa":
             assert r["indexer_pages_equal"] == [True] * pages, f"rank {r['rank']} indexer"
+        if case.model == "swa":  # the window that ends the hit, from its own host slots
+            assert r["swa_window_pages"] == [pages - 2, pages - 1]
+            assert r["swa_pages_equal"] == [True, True], f"rank {r['rank']} swa"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "mha" in n])
@@ -126,6 +131,21 @@ def test_distinct_heads_on_each_rank_are_written_once_per_rank(
     runs: dict[str, Any], name: str
 ) -> None:
     assert [written(r) for r in runs[name]] == [PAGES] * WORLD
+
+
+def test_a_sliding_window_models_ranks_each_write_their_kv_and_their_window(
+    runs: dict[str, Any],
+) -> None:
+    ranks = runs["mooncake-swa-page-first"]
+    assert [written(r) for r in ranks] == [PAGES + 2] * WORLD
+    for r in ranks:
+        by_role = r["kvconn"]["by_role"]["written"]
+        assert {role: n["pages"] for role, n in by_role.items()} == {
+            "k": PAGES,
+            "v": PAGES,
+            "swa_k": 2,
+            "swa_v": 2,
+        }
 
 
 def test_a_head_duplicated_on_both_ranks_is_written_once_with_the_writes_spread(

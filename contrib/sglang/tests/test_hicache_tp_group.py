@@ -102,6 +102,21 @@ def _cases(root: Path) -> dict[str, Case]:
                 pipeline=True,
                 between_hit_and_get=EvictPage(3, "w1r0", rank=1),
             ),
+            # a hybrid sliding-window model (SGLang's SWAKVPool): a 2-page window, the
+            # SWA pages of the last two blocks stored
+            case("swa-layer-first", model="swa"),
+            case("swa-page-first", model="swa", layout="page_first"),
+            # the SWA pages of blocks 2, 3 and 5 stored (three nodes' backups): only a
+            # hit of 4 blocks has its whole window
+            case("swa-window-holes", model="swa", layout="page_first_direct", swa_stored=(2, 3, 5)),
+            # after the hit query, the SWA page of block 5 that only rank 1 loads disappears
+            case(
+                "swa-window-page-evicted",
+                model="swa",
+                between_hit_and_get=EvictPage(PAGES - 1, f"w{WORLD}r1", group=1),
+            ),
+            # one KV head for the model at TP=2, in both pools: each stored once
+            case("swa-gqa-duplicated", model="swa", heads=1, kv_heads=1),
         )
     }
 
@@ -146,6 +161,9 @@ def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
 
 
 ALL_LOADED = [
+    "swa-layer-first",
+    "swa-page-first",
+    "swa-gqa-duplicated",
     "mha-layer-first",
     "mha-page-first",
     "mha-page-first-direct",
@@ -381,3 +399,70 @@ def test_deepseek_v32_pipeline_stages_each_store_their_own_latent_and_indexer_pa
     stage0, stage1 = runs[name]
     assert [written(r) for r in runs[name]] == [2 * PAGES, 2 * PAGES]
     assert set(stage0["first_page_keys"]).isdisjoint(stage1["first_page_keys"])
+
+
+# ------------------------------------------------ hybrid sliding-window models (SWAKVPool)
+SWA_CASES = ["swa-layer-first", "swa-page-first"]
+SWA_WINDOW = 2
+
+
+@pytest.mark.parametrize("name", SWA_CASES)
+def test_a_hybrid_swa_model_loads_every_kv_page_and_the_window_that_ends_the_hit(runs, name):
+    """SGLang's hybrid controller asks with a window of placeholder keys, loads the KV
+    pages of the hit, then the SWA pages of its last two blocks, into SWA host slots of
+    their own."""
+    for r in runs[name]:
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == r["loaded_tokens"] == PAGES * 4
+        assert r["pool_hit_pages"] == {"kv": PAGES, "swa": PAGES}
+        assert r["pages_equal"] == [True] * PAGES
+        assert r["swa_window_pages"] == [PAGES - 2, PAGES - 1]
+        assert r["swa_pages_equal"] == [True, True]
+        assert r["swa_loaded_pages"] == SWA_WINDOW
+        assert r["hit_tokens_after"] == PAGES * 4
+    # every KV page of each rank's heads, and the SWA pages of the window only
+    assert stored_pages_by_group(runs, name) == {
+        ("w2r0", "lg0"): PAGES,
+        ("w2r1", "lg0"): PAGES,
+        ("w2r0", "lg1"): SWA_WINDOW,
+        ("w2r1", "lg1"): SWA_WINDOW,
+    }
+
+
+def test_the_hit_is_the_longest_prefix_whose_window_is_stored_not_the_kv_prefix(runs):
+    """Every KV page is stored, the SWA pages of blocks 2, 3 and 5 only: a hit of 6
+    needs blocks 4-5, of 5 blocks 3-4, so the hit is 4 blocks, and the load takes the
+    SWA pages of blocks 2-3."""
+    for r in runs["swa-window-holes"]:
+        assert r["hit_tokens"] == r["loaded_tokens"] == 4 * 4
+        assert r["pages_equal"] == [True] * 4
+        assert r["swa_window_pages"] == [2, 3]
+        assert r["swa_pages_equal"] == [True, True]
+        assert r["hit_tokens_after"] == 4 * 4
+
+
+def test_an_swa_page_lost_after_the_lookup_fails_its_load_and_the_next_lookup_misses(runs):
+    """Rank 1's SWA page of block 5 is gone at the load: its SWA load stops there and
+    leaves that slot untouched, SGLang's MIN tells both ranks one SWA page arrived, and
+    with the window of 6 blocks broken (and none of 5 stored) the next lookup misses."""
+    rank0, rank1 = runs["swa-window-page-evicted"]
+    for r in (rank0, rank1):
+        assert r["loaded_tokens"] == PAGES * 4 and r["pages_equal"] == [True] * PAGES
+        assert r["swa_loaded_pages"] == 1
+        assert r["hit_tokens_after"] == 0
+    assert rank0["swa_pages_equal"] == [True, True]
+    assert rank1["swa_pages_equal"] == [True, False]
+    assert rank1["swa_pages_zero"] == [False, True]
+
+
+def test_swa_heads_duplicated_on_both_ranks_are_stored_once_like_the_kv_heads(runs):
+    """One KV head at TP=2 in both pools (SGLang's SWA head count is the model's, with
+    no ``swa_num_key_value_heads``): the two ranks hold the same bytes, stored once."""
+    name = "swa-gqa-duplicated"
+    assert stored_pages_by_group(runs, name) == {
+        ("replicated", "lg0"): PAGES,
+        ("replicated", "lg1"): SWA_WINDOW,
+    }
+    for r in runs[name]:
+        assert r["pages_equal"] == [True] * PAGES
+        assert r["swa_pages_equal"] == [True, True]
