@@ -11,7 +11,9 @@ group (DeepSeek-V3.2's DSA indexer; a hybrid model's sliding-window K/V, ``swa``
 SGLang transfers each pool by its own call and reports each pool's pages separately, so
 each call moves exactly one group; the hit is still one lookup over every group. The
 indexer moves with the KV pool's host indices; the SWA pool has host slots of its own
-(``own_slots``), since SGLang keeps only the pages at the end of a window there.
+(``own_slots``), since SGLang keeps only the pages at the end of a window there, and so
+does the Mamba pool of a hybrid linear-attention model (``mamba``: one recurrent state
+per checkpoint page, a slot each, over several buffers: each buffer is a pool tensor).
 
 The host layout is part of each role's dtype, hence of every key: ``page_first`` and
 ``page_first_direct`` pages have the same size but another byte order, and a reader in
@@ -58,8 +60,14 @@ class HostPoolShape:
     page-major layouts; SGLang allocates a page or two more than the KV pool, which no
     transfer addresses). ``name`` is SGLang's name of the pool (``kv``, ``indexer``,
     ``swa``); a side pool's K/V roles are named after it (``swa_k``, ``swa_v``).
-    ``own_slots``: SGLang allocates the pool's host slots itself (SWA) instead of moving
-    it with the KV pool's host indices, so it may hold another number of pages.
+    ``own_slots``: SGLang allocates the pool's host slots itself (SWA, Mamba) instead of
+    moving it with the KV pool's host indices, so it may hold another number of pages.
+
+    ``"mamba"`` is a hybrid linear-attention model's recurrent state: one slot per
+    checkpoint (``page_size`` 1: the state at the end of a KV page), held in several
+    buffers, ``components`` (name, tensor) in the order of SGLang's flat page, each
+    ``[slots, layers, 1, …]`` (``page_first``) or ``[slots, …]`` (side states);
+    ``kv_buffer`` is the first of them.
     """
 
     kind: str
@@ -75,6 +83,15 @@ class HostPoolShape:
     #: those numbers, so two stages' pages of one block never share a key.
     start_layer: int = 0
     own_slots: bool = False
+    components: tuple[tuple[str, torch.Tensor], ...] = ()
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The pool's tensors, each a kvconn pool of its own, in the layout's order (a
+        component of no bytes, a conv-only model's temporal state, is none)."""
+        if self.components:
+            return tuple(tensor for _, tensor in self.components if tensor.numel())
+        return (self.kv_buffer,)
 
     def __post_init__(self) -> None:
         first = self.start_layer
@@ -133,7 +150,7 @@ def describe_host_pool(
                 f"host pool {pool.name!r} of {pool.size} tokens is not a whole number of "
                 f"{pool.page_size}-token pages"
             )
-        if pool.own_slots and pool.page_size != shape.page_size:
+        if pool.own_slots and pool.kind != "mamba" and pool.page_size != shape.page_size:
             raise LayoutError(
                 f"host pool {pool.name!r} has {pool.page_size}-token pages, the KV pool "
                 f"{shape.page_size}-token pages: a block is one page of every pool"
@@ -147,35 +164,74 @@ def describe_host_pool(
     kv_pages = shape.size // shape.page_size
     roles: dict[str, Role] = {}
     groups: list[LayerGroup] = []
+    first_pool = 0  # the kvconn pool index of the group's first tensor
     for index, pool in enumerate((shape, *side_pools)):
         dtype = f"{str(pool.kv_buffer.dtype).removeprefix('torch.')}:{pool.layout}"
         pages = pool.size // pool.page_size if pool.own_slots else kv_pages
         pool_units = units if index == 0 else _side_units(pool, side_units)
         regions: list[Region] = []
+        if pool.kind == "mamba":
+            regions = _mamba_regions(pool, pool_units, first_pool, roles)
         for role, views in _components(pool, pages, pool_units, dtype, roles):
             regions.extend(
-                Region.from_tensor(role, layer, view, pool.kv_buffer, index, unit_dim)
+                Region.from_tensor(role, layer, view, pool.kv_buffer, first_pool, unit_dim)
                 for layer, view, unit_dim in views
             )
         label = f"hicache {pool.layout}" if index == 0 else f"hicache {pool.name} {pool.layout}"
         groups.append(LayerGroup(index, pages, tuple(regions), name=label))
+        first_pool += len(pool.buffers)
     return KvLayout(
         tp_size=tp_size,
         tokens_per_block=shape.page_size,
         roles=tuple(roles.values()),
         groups=tuple(groups),
         pool_sizes=tuple(
-            p.kv_buffer.numel() * p.kv_buffer.element_size() for p in (shape, *side_pools)
+            b.numel() * b.element_size() for p in (shape, *side_pools) for b in p.buffers
         ),
     )
 
 
+def _mamba_regions(
+    pool: HostPoolShape, units: int, first_pool: int, roles: dict[str, Role]
+) -> list[Region]:
+    """A Mamba pool's regions: per component, its slot's bytes (every layer of it), over
+    the component's own tensor, in the order of SGLang's flat page (``get_data_page``).
+    A component of no bytes (a conv-only model's temporal state) adds nothing to the
+    flat page, and no region."""
+    if pool.layout not in PAGE_MAJOR[:2]:
+        raise LayoutError(
+            f"host pool {pool.name!r}: SGLang's Mamba host pool is page_first or "
+            f"page_first_direct, not {pool.layout}"
+        )
+    regions = []
+    offset = 0
+    for name, tensor in pool.components:
+        if tensor.numel() == 0:
+            continue
+        if tensor.shape[0] != pool.size:
+            raise LayoutError(
+                f"host pool {pool.name!r}: its {name} buffer of shape {tuple(tensor.shape)} "
+                f"does not hold {pool.size} slots on dimension 0"
+            )
+        role = Role(f"{pool.name}_{name}", units, str(tensor.dtype).removeprefix("torch."))
+        if role.name in roles:
+            raise LayoutError(f"host pool {pool.name!r}: role {role.name!r} is declared twice")
+        roles[role.name] = role
+        view = tensor.reshape(pool.size, -1)
+        regions.append(
+            Region.from_tensor(role.name, pool.start_layer, view, tensor, first_pool + offset)
+        )
+        offset += 1
+    return regions
+
+
 def _side_units(pool: HostPoolShape, side_units: Mapping[str, int] | None) -> int:
-    """An MHA side pool's K/V units, which the caller must give (1 for any other)."""
-    if pool.kind != "mha":
+    """A side pool's units by heads (K/V of an MHA pool, a Mamba state's), which the
+    caller must give (1 for a pool identical on every rank)."""
+    if pool.kind not in ("mha", "mamba"):
         return 1
     if side_units is None or pool.name not in side_units:
-        raise LayoutError(f"host pool {pool.name!r} holds K/V heads, and no units were given")
+        raise LayoutError(f"host pool {pool.name!r} is split by heads, and no units were given")
     return side_units[pool.name]
 
 
@@ -198,6 +254,8 @@ def _components(
 
     buffer = pool.kv_buffer
     first = pool.start_layer  # a region's layer is the model's: a PP stage's own numbers
+    if pool.kind == "mamba":  # its regions are its components' (_mamba_regions)
+        return []
     if pool.kind == "indexer":
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's

@@ -35,10 +35,14 @@ one :class:`PoolTransfer` per pool), each a layer group of its own
   may be a hit where ``N - 1`` is not, and ``batch_exists_v2`` lists every such ``N``
   (``restorable_prefix_pages``), which SGLang intersects over its ranks.
 
+* a hybrid linear-attention model's Mamba state (Qwen3-Next, Nemotron-H: SGLang's
+  ``MambaPoolHost``, one state slot per checkpoint page over several buffers) likewise,
+  with a window of one page: a hit needs the state at its last page. Each rank's state
+  is a page of its own (it is split by heads).
+
 Each call moves the pool it names and answers for it alone, as SGLang expects; the hit
-stays one lookup over every pool. Side pools that are not KV per page (Mamba state,
-DeepSeek-V4's compressed pools, draft pools) are refused by name when SGLang registers
-them.
+stays one lookup over every pool. Other side pools (DeepSeek-V4's compressed pools,
+draft pools) are refused by name when SGLang registers them.
 
 Under pipeline parallelism each stage's controller has a backend object of its own over
 the stage's layers; pages are keyed by the model's layer numbers (the host pool's
@@ -78,6 +82,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
@@ -122,6 +127,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         #: Striped loads, agreed round by round (loads go through it when it is set).
         self.rounds: LoadRounds | None = None
         self.page_size = 0
+        self.slot_tokens: dict[int, int] = {}
         #: The layer group of each pool SGLang names in its calls (``kv`` is group 0).
         self.pool_groups: dict[str, int] = {}
         self.trailing_groups: frozenset[int] = frozenset()
@@ -157,9 +163,10 @@ class KvconnHiCacheStorage(HiCacheStorage):
                 raise ConfigError(
                     f"the kvconn HiCache backend cannot store the {name!r} pool under "
                     f"pipeline parallelism (pp_size={self.storage_config.pp_size}): "
-                    "SGLang's hybrid sliding-window pools number their layers from 0 on "
-                    "every stage, so two stages' pages would share keys; run without L3 "
-                    "storage or at pp_size=1"
+                    "its host pool does not carry the model's layer numbers (SGLang's "
+                    "SWAKVPool numbers each pool's layers from 0 on every stage; a Mamba "
+                    "pool has none), so two stages' pages would share keys; run without "
+                    "L3 storage or at pp_size=1"
                 )
             if self.connector is not None:
                 raise ConfigError(
@@ -196,7 +203,9 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if shard_heads != config.shard_heads:
             config = dataclasses.replace(config, shard_heads=shard_heads)
         tp = self.storage_config.tp_size
+        # a Mamba state is split by heads over the ranks, none duplicated: keyed per rank
         side_units = {pool.name: self._swa_units(pool) for pool in side_pools if pool.kind == "mha"}
+        side_units |= {pool.name: tp for pool in side_pools if pool.kind == "mamba"}
         layout = describe_host_pool(shape, tp, units, side_pools, side_units)
         if self.storage_config.should_split_heads:
             try:  # what the connector will plan, refused here naming tp_lcm_size
@@ -212,7 +221,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
                 config,
                 layout,
                 rank=self.storage_config.tp_rank,
-                pools=[shape.kv_buffer, *(pool.kv_buffer for pool in side_pools)],
+                pools=[buffer for pool in (shape, *side_pools) for buffer in pool.buffers],
                 backend=backend,
                 group=self.group,
             )
@@ -220,6 +229,10 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if self.group is not None:
             self.rounds = LoadRounds(self.connector)
         self.page_size = shape.page_size
+        #: Tokens per host slot of each group's pool (a Mamba pool's slot is one state).
+        self.slot_tokens = {0: shape.page_size} | {
+            group: pool.page_size for group, pool in enumerate(side_pools, start=1)
+        }
         self.pool_groups = {str(PoolName.KV): 0} | {
             pool.name: group for group, pool in enumerate(side_pools, start=1)
         }
@@ -342,7 +355,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         so the transfer moves exactly the pool SGLang named."""
         if not isinstance(host_indices, torch.Tensor):
             raise LayoutError(f"{pages} pages to move without host indices ({host_indices!r})")
-        slots = page_slots(host_indices, self.page_size, pages)
+        slots = page_slots(host_indices, self.slot_tokens[group], pages)
         none = torch.full((pages,), NO_SLOT, dtype=torch.long)
         return {g: slots if g == group else none for g in self.pool_groups.values()}
 
@@ -721,8 +734,7 @@ def _shape_of(pool: Any) -> HostPoolShape:
 
 #: Why each side pool SGLang may register (``PoolName``) is not stored.
 _SIDE_POOLS_REFUSED = {
-    "mamba": "it holds recurrent state at checkpoint pages, needed only at a hit's last "
-    "page (hit policy trailing_pages), not KV per page",
+    "mamba": "kvconn stores SGLang's Mamba state pool (MambaPoolHost), not this one",
     "swa": "kvconn stores a sliding-window pool of K/V heads (MHATokenToKVPoolHost), not this one",
     "auxiliary_swa": "an auxiliary sliding-window pool is not stored yet",
     "draft": "speculative decoding's draft pools are not stored yet",
@@ -758,6 +770,8 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     if name == PoolName.SWA and type(pool) is MHATokenToKVPoolHost:
         # K/V heads of the sliding-window layers, on SGLang's own SWA host slots
         return dataclasses.replace(_shape_of(pool), name=name, own_slots=True)
+    if name == PoolName.MAMBA and type(pool) is MambaPoolHost:
+        return _mamba_shape(pool, name)
     if name == PoolName.INDEXER:
         reason = "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost), not this one"
     elif name.startswith("deepseek_v4_"):
@@ -767,6 +781,31 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     raise ConfigError(
         f"the kvconn HiCache backend cannot store the {name!r} pool ({kind}): {reason}; "
         "run this model without L3 storage or with another HiCache storage backend"
+    )
+
+
+def _mamba_shape(pool: Any, name: str) -> HostPoolShape:
+    """A hybrid linear-attention model's Mamba host pool: one recurrent state per slot,
+    in the buffers SGLang's flat page concatenates (``MambaPoolHost._iter_page_tensors``:
+    the temporal state, each conv state, then any registered side states)."""
+    components = (
+        ("temporal", pool.temporal_buffer),
+        *((f"conv{i}", buffer) for i, buffer in enumerate(pool.conv_buffer)),
+        *((f"state{i}", buffer) for i, buffer in enumerate(pool.slot_state_buffers)),
+    )
+    for part, buffer in components:
+        if not isinstance(buffer, torch.Tensor):
+            raise LayoutError(f"the {name!r} pool's {part} buffer is not a tensor")
+    return HostPoolShape(
+        kind="mamba",
+        layout=pool.layout,
+        page_size=pool.page_size,
+        layer_num=pool.num_mamba_layers,
+        size=pool.size,
+        kv_buffer=next((b for _, b in components if b.numel()), components[0][1]),
+        name=name,
+        own_slots=True,
+        components=components,
     )
 
 

@@ -29,6 +29,12 @@ host slots of its own), under the ``HybridCacheController``. The harness hands i
 transfers SGLang's SWA component builds (``SWAComponent.build_hicache_transfers``): on
 backup the SWA pages at the end of each node, with their page keys; on prefetch a
 window of placeholder keys, which the controller replaces by the hit's last pages.
+
+A ``mamba`` case is a hybrid linear-attention model's cache (Qwen3-Next, Nemotron-H):
+an MHA pool of the full-attention layers and SGLang's ``MambaPoolHost`` of the recurrent
+state (one slot per checkpoint; the temporal state and two conv states of the Mamba
+layers, in buffers of their own), moved as the SWA pool is, with a window of one page
+(``MambaComponent``: the state at the end of the hit).
 """
 
 from __future__ import annotations
@@ -64,8 +70,9 @@ class Case:
     """
 
     name: str
-    #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool) or "swa" (MHA full
-    #: layers + MHA sliding-window layers, ``layers`` of each)
+    #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool), "swa" (MHA full
+    #: layers + MHA sliding-window layers, ``layers`` of each) or "mamba" (MHA full
+    #: layers + Mamba layers' recurrent state, ``layers`` of each)
     model: str = "mha"
     layout: str = "layer_first"
     page_size: int = 4
@@ -88,17 +95,27 @@ class Case:
     #: The ``WORLD`` processes are pipeline stages at TP=1, not TP ranks: stage ``r``
     #: holds the model's layers ``r * layers`` to ``(r + 1) * layers - 1``.
     pipeline: bool = False
-    #: ``swa``: SGLang's window in pages (``SWAComponent.full_window_pages``), and the
-    #: pages whose SWA K/V the backups store (default: the last ``swa_window``), as the
-    #: backups of several radix nodes would, each storing its own last pages.
+    #: ``swa``: SGLang's window in pages (``SWAComponent.full_window_pages``; a Mamba
+    #: pool's is 1), and the pages whose SWA K/V or Mamba state the backups store
+    #: (default: the last window), as the backups of several radix nodes would, each
+    #: storing its own last pages.
     swa_window: int = 2
-    swa_stored: tuple[int, ...] | None = None
+    window_stored: tuple[int, ...] | None = None
 
     @property
-    def swa_pages(self) -> tuple[int, ...]:
-        if self.swa_stored is not None:
-            return self.swa_stored
-        return tuple(range(self.pages - self.swa_window, self.pages))
+    def trailing_pool(self) -> str | None:
+        """The side pool SGLang loads only at the end of a hit, on slots of its own."""
+        return self.model if self.model in ("swa", "mamba") else None
+
+    @property
+    def window(self) -> int:
+        return 1 if self.model == "mamba" else self.swa_window
+
+    @property
+    def stored_window(self) -> tuple[int, ...]:
+        if self.window_stored is not None:
+            return self.window_stored
+        return tuple(range(self.pages - self.window, self.pages))
 
     @property
     def tp_size(self) -> int:
@@ -132,7 +149,7 @@ class EvictPage:
 
     ``component`` is the page's shard segment (``w2r1``, ``replicated``), so a test can
     take away a page that only one rank loads; ``group`` its layer group (``1``: the
-    indexer pool of a ``dsa`` case, the SWA pool of an ``swa`` case); ``rank`` the rank
+    indexer pool of a ``dsa`` case, the SWA or Mamba pool); ``rank`` the rank
     whose pages it names (a pipeline stage names its own layers' pages only).
     """
 
@@ -198,7 +215,7 @@ def _write_model_config(path: str, case: Case) -> None:
         "vocab_size": 256,
         "hidden_size": 32,
         "intermediate_size": 64,
-        "num_hidden_layers": case.layers * case.pp_size * (2 if case.model == "swa" else 1),
+        "num_hidden_layers": case.layers * case.pp_size * (2 if case.trailing_pool else 1),
         "num_attention_heads": 4 * case.global_kv_heads,
         "num_key_value_heads": case.global_kv_heads,
         "head_dim": case.head_dim,
@@ -263,14 +280,15 @@ def _publish(case: Case, rank: int, model_dir: str) -> None:
 @dataclass
 class Pools:
     """What a case's controller runs over: SGLang's allocator, the KV host pool, the DSA
-    indexer host pool (``dsa``) or the SWA host pool (``swa``), and the host pool object
-    the controller gets (the ``HostPoolGroup`` of both for ``dsa`` and ``swa``)."""
+    indexer host pool (``dsa``) or the SWA or Mamba host pool (``trailing``), and the
+    host pool object the controller gets (the ``HostPoolGroup`` of both but for MHA and
+    MLA)."""
 
     allocator: Any
     host: Any
     indexer: Any = None
     controller_pool: Any = None
-    swa: Any = None  # the sliding-window layers' host pool (``swa``)
+    trailing: Any = None  # the SWA or Mamba host pool, on slots of its own
 
 
 def _pools(case: Case, rank: int) -> Pools:
@@ -293,6 +311,8 @@ def _pools(case: Case, rank: int) -> Pools:
     common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": case.page_size}
     if case.model == "swa":
         return _swa_pools(case, tokens, dtype, common)
+    if case.model == "mamba":
+        return _mamba_pools(case, tokens, dtype, common)
     if case.model == "mha":
         device = MHATokenToKVPool(
             tokens,
@@ -363,9 +383,7 @@ def _swa_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> P
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         _mha_host_inputs,
         _swa_layer_mappings,
-        build_pool_entry,
     )
-    from sglang.srt.mem_cache.pool_host import HostPoolGroup
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     device = SWAKVPool(
@@ -384,24 +402,76 @@ def _swa_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> P
         cls, info, kwargs = _mha_host_inputs(pool)
         hosts.append(cls(info, layout=case.layout, pin_memory=False, **common, **kwargs))
     full_layers, swa_layers = _swa_layer_mappings(device)
-    entries = [
-        build_pool_entry(
-            name=name,
-            host_pool=host,
-            device_pool=pool,
-            layer_mapping=layers,
-            transfer_layer_id_max=2 * case.layers,
-            is_anchor=name == PoolName.KV,
-        )
-        for name, host, pool, layers in (
-            (PoolName.KV, hosts[0], device.full_kv_pool, full_layers),
-            (PoolName.SWA, hosts[1], device.swa_kv_pool, swa_layers),
-        )
-    ]
+    group = _host_group(
+        2 * case.layers,
+        (PoolName.KV, hosts[0], device.full_kv_pool, full_layers),
+        (PoolName.SWA, hosts[1], device.swa_kv_pool, swa_layers),
+    )
     allocator = PagedTokenToKVPoolAllocator(
         tokens, case.page_size, dtype, "cpu", device.full_kv_pool, False
     )
-    return Pools(allocator, hosts[0], controller_pool=HostPoolGroup(entries), swa=hosts[1])
+    return Pools(allocator, hosts[0], controller_pool=group, trailing=hosts[1])
+
+
+def _mamba_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> Pools:
+    """An MHA pool of the full-attention layers and SGLang's ``MambaPoolHost`` in a
+    ``HostPoolGroup``, as SGLang's Mamba stack (``_MambaStrategy``) makes them. The
+    host pool is built from the device pool's declaration of its state buffers
+    (``MambaStateBufferInfo``, here CPU tensors: a float32 temporal state and two
+    bfloat16 conv states per layer and slot); only pinning is left out."""
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        _mha_host_inputs,
+    )
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    kv = MHATokenToKVPool(
+        tokens, case.page_size, dtype, case.heads, case.head_dim, case.layers, "cpu", False
+    )
+    cls, info, kwargs = _mha_host_inputs(kv)
+    host = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+    slots = tokens // case.page_size
+    states = MambaStateBufferInfo(
+        temporal=torch.zeros(case.layers, slots, case.heads, 4, 4),
+        conv=tuple(
+            torch.zeros(case.layers, slots, width, 3, dtype=torch.bfloat16) for width in (8, 4)
+        ),
+    )
+    # SGLang's Mamba host pool is page-first whatever the KV pool's layout
+    mamba = MambaPoolHost(
+        states, 2.0, 0, device_capacity=slots, pin_memory=False, layout="page_first"
+    )
+    layers = {layer: layer for layer in range(case.layers)}
+    group = _host_group(
+        2 * case.layers, (PoolName.KV, host, kv, layers), (PoolName.MAMBA, mamba, None, layers)
+    )
+    allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", kv, False)
+    return Pools(allocator, host, controller_pool=group, trailing=mamba)
+
+
+def _host_group(layer_max: int, *pools: tuple[Any, Any, Any, dict[int, int]]) -> Any:
+    """SGLang's ``HostPoolGroup`` of ``(name, host pool, device pool, layer mapping)``
+    entries, the first the anchor, as its stack builders make it."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup
+
+    return HostPoolGroup(
+        [
+            build_pool_entry(
+                name=name,
+                host_pool=host,
+                device_pool=device,
+                layer_mapping=layers,
+                transfer_layer_id_max=layer_max,
+                is_anchor=i == 0,
+            )
+            for i, (name, host, device, layers) in enumerate(pools)
+        ]
+    )
 
 
 def _dsa_pools(case: Case, allocator: Any, device: Any, host: Any) -> Pools:
@@ -409,31 +479,15 @@ def _dsa_pools(case: Case, allocator: Any, device: Any, host: Any) -> Pools:
     (``_DsaStrategy``: ``prepare_host_pool_config`` + ``build_host_pool_group``) makes
     them, from the device pool's own pool declarations; only pinning is left out."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
-    from sglang.srt.mem_cache.pool_host import HostPoolGroup
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 
     decls = {decl.pool_name: decl for decl in device.host_pool_decls()}
     indexer = DSAIndexerPoolHost(decls[PoolName.INDEXER], host, pin_memory=False)
     layers = {layer: layer for layer in range(case.layers)}
-    group = HostPoolGroup(
-        [
-            build_pool_entry(
-                name=PoolName.KV,
-                host_pool=host,
-                device_pool=device,
-                layer_mapping=layers,
-                transfer_layer_id_max=case.layers,
-                is_anchor=True,
-            ),
-            build_pool_entry(
-                name=PoolName.INDEXER,
-                host_pool=indexer,
-                device_pool=device,
-                layer_mapping=layers,
-                transfer_layer_id_max=case.layers,
-            ),
-        ]
+    group = _host_group(
+        case.layers,
+        (PoolName.KV, host, device, layers),
+        (PoolName.INDEXER, indexer, device, layers),
     )
     return Pools(allocator, host, indexer, group)
 
@@ -506,14 +560,14 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         model_name="kvconn-test-model",
         storage_backend_extra_config=dict(case.extra_config),
     )
-    if case.model in ("dsa", "swa"):
+    if case.model == "dsa" or case.trailing_pool:
         controller = HybridCacheController(
             pools.allocator,
             pools.controller_pool,
             ps,
             dist.group.WORLD,
             threading.Event(),
-            transfer_layer_id_max=case.layers * (2 if case.model == "swa" else 1),
+            transfer_layer_id_max=case.layers * (2 if case.trailing_pool else 1),
             **common,
         )
     elif case.pipeline:
@@ -535,8 +589,9 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         )
     # What each pool holds, for writing known bytes and reading them back.
     side = {"kv": host} | ({"indexer": pools.indexer} if pools.indexer is not None else {})
-    if pools.swa is not None:
-        side["swa"] = pools.swa
+    trailing = pools.trailing
+    if case.trailing_pool:
+        side[case.trailing_pool] = trailing
     result: dict[str, Any] = {"rank": rank, "case": asdict(case) | {"between_hit_and_get": None}}
     try:
         storage = controller.storage_backend
@@ -556,27 +611,29 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         result["cold_hit_tokens"] = _hit_query(controller, case, "cold", tokens)[1]
         written = host.alloc(len(tokens))
         for name, pool in side.items():
-            if name == "swa":
+            if name == case.trailing_pool:
                 continue
             for i in range(case.pages):
                 pool.set_from_flat_data_page(int(written[i * ps]), page(name, i).view(dtypes[name]))
         sidecars = _sidecars(case, keys=hashes)
-        if pools.swa is not None:  # the SWA pages of the stored window, on their own slots
-            swa_written = pools.swa.alloc(len(case.swa_pages) * ps)
-            for j, i in enumerate(case.swa_pages):
-                pools.swa.set_from_flat_data_page(
-                    int(swa_written[j * ps]), page("swa", i).view(dtypes["swa"])
+        if case.trailing_pool:  # the pages of the stored windows, on their own slots
+            name, tps = case.trailing_pool, trailing.page_size
+            window_written = trailing.alloc(len(case.stored_window) * tps)
+            for j, i in enumerate(case.stored_window):
+                trailing.set_from_flat_data_page(
+                    int(window_written[j * tps]), page(name, i).view(dtypes[name])
                 )
-            sidecars = {"extra_pools": [_swa_backup(case, hashes, swa_written)]}
+            sidecars = {"extra_pools": [_window_backup(case, hashes, window_written)]}
         controller.write_storage(written, tokens, hash_value=hashes, **sidecars)
         backup = _wait(controller.ack_backup_queue, "backup ack")
         result["backup_completed_tokens"] = backup.completed_tokens
         dist.barrier()
         host.free(written)
-        if pools.swa is not None:
-            pools.swa.free(swa_written)
+        if case.trailing_pool:
+            trailing.free(window_written)
         for pool in side.values():  # what is read back must come from the store
-            _buffer(pool).zero_()
+            for buffer in _buffers(pool):
+                buffer.zero_()
 
         # pass 2: the same prompt hits and loads the pages into fresh host slots
         op, hit = _hit_query(controller, case, "warm", tokens)
@@ -589,10 +646,10 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         dist.barrier()
         target = host.alloc(hit)
         op.host_indices = target
-        swa_load = None
-        if pools.swa is not None and hit:  # SGLang's SWA staging: the planned window
-            (swa_load,) = op.pool_transfers
-            swa_load.host_indices = pools.swa.alloc(len(swa_load.keys) * ps)
+        window_load = None
+        if case.trailing_pool and hit:  # SGLang's staging: the planned window
+            (window_load,) = op.pool_transfers
+            window_load.host_indices = trailing.alloc(len(window_load.keys) * trailing.page_size)
         if case.terminated_on == rank:
             op.mark_terminate()
         controller.prefetch_buffer.put(op)
@@ -601,17 +658,18 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             ack = _wait(controller.ack_prefetch_queue, "prefetch ack")
             if ack.completed_tokens is not None:
                 completed = max(completed, ack.completed_tokens)
-            if getattr(ack, "pool_hits", None) and "swa" in ack.pool_hits:
-                # the SWA pages loaded, MIN over the group: what the radix cache is told
-                result["swa_loaded_pages"] = ack.pool_hits["swa"]
+            if case.trailing_pool and getattr(ack, "pool_hits", None):
+                # the window's pages loaded, MIN over the group: what the radix cache is told
+                result[f"{case.trailing_pool}_loaded_pages"] = ack.pool_hits[case.trailing_pool]
             if ack.completed_req:
                 break
         result["loaded_tokens"] = completed
-        if swa_load is not None:  # the controller keyed the window at the loaded pages
-            expected = lambda i: page("swa", i)  # noqa: E731
-            result.update(_swa_loaded(swa_load, pools.swa, hashes, expected, ps))
+        if window_load is not None:  # the controller keyed the window at the loaded pages
+            name = case.trailing_pool
+            expected = lambda i: page(name, i)  # noqa: E731
+            result.update(_window_loaded(name, window_load, trailing, hashes, expected))
         for name, pool in side.items():
-            if name == "swa":
+            if name == case.trailing_pool:
                 continue
             matches = []
             untouched = []
@@ -653,10 +711,12 @@ def _late_registration(storage: Any, pool: Any) -> str:
     return "accepted"
 
 
-def _buffer(pool: Any) -> Any:
-    """A host pool's one tensor (the KV buffer, or the indexer's keys and scales)."""
+def _buffers(pool: Any) -> list[Any]:
+    """A host pool's tensors: the KV buffer, the indexer's keys and scales, or a Mamba
+    pool's state buffers (a list of its own)."""
     buffer = getattr(pool, "index_k_with_scale_buffer", None)
-    return pool.kv_buffer if buffer is None else buffer
+    buffer = pool.kv_buffer if buffer is None else buffer
+    return list(buffer) if isinstance(buffer, list) else [buffer]
 
 
 def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
@@ -666,10 +726,10 @@ def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
     window of placeholder keys (``SWAComponent``, phase ``PREFETCH``)."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    if case.model == "swa":
+    if case.trailing_pool:  # SWA's window, or Mamba's one page
         window = PoolTransfer(
-            name=PoolName.SWA,
-            keys=["__placeholder__"] * case.swa_window,
+            name=PoolName(case.trailing_pool),
+            keys=["__placeholder__"] * case.window,
             hit_policy=PoolHitPolicy.TRAILING_PAGES,
         )
         return {"extra_pools": [window]}
@@ -685,36 +745,37 @@ def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
     return {"extra_pools": [indexer]}
 
 
-def _swa_backup(case: Case, hashes: list[str], host_indices: Any) -> Any:
-    """The SWA transfer SGLang's SWA component adds to a backup: the stored window's
-    pages (``swa_pages``) on their SWA host slots, under their page keys."""
+def _window_backup(case: Case, hashes: list[str], host_indices: Any) -> Any:
+    """The transfer SGLang's SWA or Mamba component adds to a backup: the stored
+    windows' pages (``stored_window``) on the pool's host slots, under their page keys
+    (a Mamba state under its checkpoint page's)."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     return PoolTransfer(
-        name=PoolName.SWA,
+        name=PoolName(case.trailing_pool),
         host_indices=host_indices,
-        keys=[hashes[i] for i in case.swa_pages],
+        keys=[hashes[i] for i in case.stored_window],
         hit_policy=PoolHitPolicy.TRAILING_PAGES,
     )
 
 
-def _swa_loaded(
-    transfer: Any, pool: Any, hashes: list[str], expected: Any, ps: int
+def _window_loaded(
+    name: str, transfer: Any, pool: Any, hashes: list[str], expected: Any
 ) -> dict[str, Any]:
-    """Which pages the controller keyed the SWA load at (the window ending at the loaded
-    pages), whether each arrived with its bytes, and whether each is still zero (a page
-    that did not arrive must be left untouched)."""
+    """Which pages the controller keyed the window's load at (the window ending at the
+    loaded pages), whether each arrived with its bytes, and whether each is still zero
+    (a page that did not arrive must be left untouched)."""
     import torch
 
     pages = [hashes.index(key) for key in transfer.keys]
     got = [
-        _bytes(pool.get_data_page(int(transfer.host_indices[j * ps]), flat=True))
+        _bytes(pool.get_data_page(int(transfer.host_indices[j * pool.page_size]), flat=True))
         for j in range(len(pages))
     ]
     return {
-        "swa_window_pages": pages,
-        "swa_pages_equal": [bool(torch.equal(g, expected(i))) for g, i in zip(got, pages)],
-        "swa_pages_zero": [bool((g == 0).all()) for g in got],
+        f"{name}_window_pages": pages,
+        f"{name}_pages_equal": [bool(torch.equal(g, expected(i))) for g, i in zip(got, pages)],
+        f"{name}_pages_zero": [bool((g == 0).all()) for g in got],
     }
 
 
@@ -730,7 +791,7 @@ def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
 
 def _hit_query(controller: Any, case: Case, rid: str, tokens: list[int]) -> tuple[Any, int]:
     """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
-    if case.model in ("dsa", "swa"):  # the hybrid controller takes a request handle
+    if case.model == "dsa" or case.trailing_pool:  # the hybrid controller takes a handle
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         op = controller.prefetch(CacheRequestHandle(rid, 0), tokens, **_sidecars(case))

@@ -388,7 +388,7 @@ def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        ("mamba", "recurrent state"),
+        ("mamba", "MambaPoolHost"),  # a Mamba pool of another class
         ("swa", "MHATokenToKVPoolHost"),  # an SWA pool of another kind (MLA, DeepSeek-V4)
         ("deepseek_v4_c4", "DeepSeek-V4"),
         ("draft", "draft pools"),
@@ -715,3 +715,88 @@ def test_an_swa_pool_asked_for_every_page_is_refused(swa_storage):
     every = PoolTransfer(name=PoolName.SWA, keys=None, hit_policy=PoolHitPolicy.ALL_PAGES)
     with pytest.raises(ConfigError, match="'swa' pool asks for hit policy all_pages"):
         storage.batch_exists_v2(SIX, [every])
+
+
+# ------------------------------------------------------------------ Mamba state pools
+def mamba_pool(slots=8, layers=2, temporal=(2, 4, 4), convs=((8, 3), (4, 3))):
+    """SGLang's own MambaPoolHost over CPU state buffers (page_first, unpinned)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, *temporal),
+        conv=tuple(torch.zeros(layers, slots, *c, dtype=torch.bfloat16) for c in convs),
+    )
+    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, layout="page_first")
+
+
+def test_a_mamba_state_page_is_sglangs_flat_state_page_over_its_buffers():
+    from kvconn_sglang.storage import _side_pool_shape
+
+    pool = mamba_pool()
+    shape = _side_pool_shape(pool, PoolName.MAMBA)
+    described = describe_host_pool(mha_shape("page_first"), 2, 4, [shape], {"mamba": 2})
+    group = described.group(1)
+    assert group.num_slots == pool.size  # one state per slot, slots of its own
+    assert [r.role for r in group.regions] == ["mamba_temporal", "mamba_conv0", "mamba_conv1"]
+    assert [r.pool for r in group.regions] == [1, 2, 3]  # each buffer a pool of its own
+    assert len(described.pool_sizes) == 4
+    (plan,) = [p for p in plan_pages(described) if p.group == 1]
+    assert plan.page_size == pool.get_dummy_flat_data_page().numel()
+    assert plan.shard_class.label == "w2"  # each rank's state its own page
+
+
+def test_a_conv_only_mamba_state_has_no_temporal_region():
+    from kvconn_sglang.storage import _side_pool_shape
+
+    pool = mamba_pool(temporal=(0,))
+    shape = _side_pool_shape(pool, PoolName.MAMBA)
+    described = describe_host_pool(mha_shape("page_first"), 1, 2, [shape], {"mamba": 1})
+    assert [r.role for r in described.group(1).regions] == ["mamba_conv0", "mamba_conv1"]
+    (plan,) = [p for p in plan_pages(described) if p.group == 1]
+    assert plan.page_size == pool.get_dummy_flat_data_page().numel()
+
+
+@pytest.fixture
+def mamba_storage(tmp_path):
+    """One rank's storage over a KV pool of 10 pages and a Mamba pool of 8 states."""
+    storage = KvconnHiCacheStorage(storage_config(tp_size=1))
+    kv = mha_shape("page_first", pages=10)
+    kv.kv_buffer.normal_()
+    pool = mamba_pool()
+    storage.register_mem_host_pool_v2(pool, PoolName.MAMBA)  # as the hybrid controller does
+    backend = load_backend("lmdb", {"path": str(tmp_path)})
+    storage.attach(kv, side_pools=[storage._side_pools["mamba"]], backend=backend)
+    pool.temporal_buffer.normal_()
+    for conv in pool.conv_buffer:
+        conv.normal_()
+    yield storage, pool
+    storage.close()
+
+
+def state(keys, host_indices=None):
+    return PoolTransfer(
+        name=PoolName.MAMBA,
+        keys=keys,
+        host_indices=host_indices,
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+
+
+def test_a_hit_ends_on_a_page_whose_state_is_stored(mamba_storage):
+    storage, pool = mamba_storage
+    storage.batch_set_v1(SIX, torch.arange(0, 24))
+    # checkpoints at pages 2 and 4 (0-based), one state slot each
+    assert storage.batch_set_v2([state([SIX[2], SIX[4]], torch.tensor([3, 6]))]) == {
+        "mamba": [True, True]
+    }
+    hit = storage.batch_exists_v2(SIX, [state(["__placeholder__"])])
+    assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (5, [3, 5])
+    assert hit.extra_pool_hit_pages == {"kv": 5, "mamba": 5}
+    stored = pool.get_data_page(6).clone()
+    pool.temporal_buffer.zero_()
+    for conv in pool.conv_buffer:
+        conv.zero_()
+    assert storage.batch_get_v2([state([SIX[4]], torch.tensor([1]))]) == {"mamba": [True]}
+    assert torch.equal(pool.get_data_page(1), stored)
+    assert int(torch.count_nonzero(pool.get_data_page(6))) == 0  # only the slot named

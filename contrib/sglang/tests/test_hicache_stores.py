@@ -52,6 +52,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mooncake-dsa-layer-first": ("mooncake", {"model": "dsa", "page_size": DSA_PAGE}),
     # a hybrid sliding-window model: the KV pages and the SWA pages of a 2-page window
     "mooncake-swa-page-first": ("mooncake", {"model": "swa", "layout": "page_first"}),
+    # a hybrid linear-attention model: the KV pages and the state of the last page
+    "redis-mamba-layer-first": ("redis", {"model": "mamba"}),
 }
 
 
@@ -124,6 +126,9 @@ def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes_from_the
         if case.model == "swa":  # the window that ends the hit, from its own host slots
             assert r["swa_window_pages"] == [pages - 2, pages - 1]
             assert r["swa_pages_equal"] == [True, True], f"rank {r['rank']} swa"
+        if case.model == "mamba":  # the state at the hit's end, from its own state slot
+            assert r["mamba_window_pages"] == [pages - 1]
+            assert r["mamba_pages_equal"] == [True], f"rank {r['rank']} mamba"
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "mha" in n])

@@ -108,7 +108,9 @@ def _cases(root: Path) -> dict[str, Case]:
             case("swa-page-first", model="swa", layout="page_first"),
             # the SWA pages of blocks 2, 3 and 5 stored (three nodes' backups): only a
             # hit of 4 blocks has its whole window
-            case("swa-window-holes", model="swa", layout="page_first_direct", swa_stored=(2, 3, 5)),
+            case(
+                "swa-window-holes", model="swa", layout="page_first_direct", window_stored=(2, 3, 5)
+            ),
             # after the hit query, the SWA page of block 5 that only rank 1 loads disappears
             case(
                 "swa-window-page-evicted",
@@ -117,6 +119,18 @@ def _cases(root: Path) -> dict[str, Case]:
             ),
             # one KV head for the model at TP=2, in both pools: each stored once
             case("swa-gqa-duplicated", model="swa", heads=1, kv_heads=1),
+            # a hybrid linear-attention model (SGLang's MambaPoolHost): the state of the
+            # last page stored
+            case("mamba-layer-first", model="mamba"),
+            case("mamba-page-first", model="mamba", layout="page_first"),
+            # states stored at pages 2 and 4 only (two nodes' checkpoints)
+            case("mamba-checkpoints", model="mamba", window_stored=(2, 4)),
+            # after the hit query, the state of page 5 that only rank 1 loads disappears
+            case(
+                "mamba-state-evicted",
+                model="mamba",
+                between_hit_and_get=EvictPage(PAGES - 1, f"w{WORLD}r1", group=1),
+            ),
         )
     }
 
@@ -161,6 +175,8 @@ def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
 
 
 ALL_LOADED = [
+    "mamba-layer-first",
+    "mamba-page-first",
     "swa-layer-first",
     "swa-page-first",
     "swa-gqa-duplicated",
@@ -466,3 +482,66 @@ def test_swa_heads_duplicated_on_both_ranks_are_stored_once_like_the_kv_heads(ru
     for r in runs[name]:
         assert r["pages_equal"] == [True] * PAGES
         assert r["swa_pages_equal"] == [True, True]
+
+
+# ------------------------------------------------ hybrid linear attention (MambaPoolHost)
+MAMBA_CASES = ["mamba-layer-first", "mamba-page-first"]
+
+
+@pytest.mark.parametrize("name", MAMBA_CASES)
+def test_a_hybrid_mamba_model_loads_every_kv_page_and_the_state_at_the_hits_end(runs, name):
+    """SGLang asks with one placeholder key for the Mamba pool, loads the KV pages of the
+    hit, then the state of its last page into a state slot of its own."""
+    for r in runs[name]:
+        assert r["hit_tokens"] == r["loaded_tokens"] == PAGES * 4
+        assert r["pool_hit_pages"] == {"kv": PAGES, "mamba": PAGES}
+        assert r["mamba_window_pages"] == [PAGES - 1]
+        assert r["mamba_pages_equal"] == [True]
+        assert r["mamba_loaded_pages"] == 1
+    # the state is split by heads over the ranks: one page per rank, at the last page
+    assert stored_pages_by_group(runs, name) == {
+        ("w2r0", "lg0"): PAGES,
+        ("w2r1", "lg0"): PAGES,
+        ("w2r0", "lg1"): 1,
+        ("w2r1", "lg1"): 1,
+    }
+
+
+def test_a_stored_mamba_state_is_sglangs_own_flat_state_page(runs):
+    """The value is ``MambaPoolHost.get_data_page``: the temporal state, then each conv
+    state, every layer of the slot, then kvconn's checksum trailer."""
+    name = "mamba-page-first"
+    backend = load_backend("lmdb", {"path": str(runs["_root"] / name)})
+    try:
+        keys = {k.split("/")[2]: k for k, _ in backend.list_keys("") if "/lg1/" in k}
+    finally:
+        backend.close()
+    checksum = PageChecksum()
+    for r in runs[name]:
+        case = Case(**r["case"])
+        key = keys[f"w{WORLD}r{r['rank']}"]
+        value = stored_value(runs, name, key)
+        size = len(value) - checksum.size
+        want = expected_page(case, case.shard_of(r["rank"]), PAGES - 1, size, torch.uint8, "mamba")
+        assert value[:size] == bytes(want.numpy())
+        assert checksum.verify([memoryview(value)], [key]) == [True]
+
+
+def test_the_hit_ends_at_the_last_checkpoint_whose_state_is_stored(runs):
+    """Every KV page is stored, states at pages 2 and 4 only: the hit is 5 pages (the
+    state of page 4), not 6, and the state loaded is page 4's."""
+    for r in runs["mamba-checkpoints"]:
+        assert r["hit_tokens"] == r["loaded_tokens"] == 5 * 4
+        assert r["pages_equal"] == [True] * 5
+        assert r["mamba_window_pages"] == [4]
+        assert r["mamba_pages_equal"] == [True]
+
+
+def test_a_state_lost_after_the_lookup_fails_its_load_and_the_next_lookup_misses(runs):
+    rank0, rank1 = runs["mamba-state-evicted"]
+    for r in (rank0, rank1):
+        assert r["pages_equal"] == [True] * PAGES
+        assert r["mamba_loaded_pages"] == 0  # SGLang's MIN: rank 1 has no state
+        assert r["hit_tokens_after"] == 0
+    assert rank0["mamba_pages_equal"] == [True]
+    assert rank1["mamba_pages_equal"] == [False] and rank1["mamba_pages_zero"] == [True]
