@@ -259,7 +259,8 @@ def _components(
     if pool.kind == "indexer":
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's
-        role = declare(Role("index_k", 1, dtype))
+        # DeepSeek-V3.2's own ``index_k``; a draft model's ``draft_index_k``
+        role = declare(Role(pool.name.replace("indexer", "index_k"), 1, dtype))
         if pool.layout not in (LAYER_FIRST, "page_first", "page_first_direct"):
             raise LayoutError(f"SGLang has no {pool.layout} layout for the indexer pool")
         if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
@@ -276,14 +277,14 @@ def _components(
         # [pages, layers, 1, bytes]: a whole page of every layer is one contiguous range
         _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
         return [(role, [(first, buffer[:pages].reshape(pages, -1), None)])]
+    named = "" if pool.name == "kv" else f"{pool.name}_"  # a side pool's roles: its own
     if pool.kind == "mha":
-        named = "" if pool.name == "kv" else f"{pool.name}_"  # a side pool's roles: its own
         components = [
             (declare(Role(f"{named}k", units, dtype)), buffer[0]),
             (declare(Role(f"{named}v", units, dtype)), buffer[1]),
         ]
     elif pool.kind == "mla":
-        components = [(declare(Role("latent", 1, dtype)), buffer)]
+        components = [(declare(Role(f"{named}latent", 1, dtype)), buffer)]
     else:
         raise LayoutError(f"unknown host pool kind {pool.kind!r}")
     out: list[tuple[str, _Views]] = []

@@ -40,9 +40,13 @@ one :class:`PoolTransfer` per pool), each a layer group of its own
   with a window of one page: a hit needs the state at its last page. Each rank's state
   is a page of its own (it is split by heads).
 
+* a speculative draft model's pools (``draft``, ``draft_indexer``, ``draft_swa``), like
+  their target counterparts; SGLang registers them after the storage has started, and
+  the connector starts again with them before it has answered anything.
+
 Each call moves the pool it names and answers for it alone, as SGLang expects; the hit
-stays one lookup over every pool. Other side pools (DeepSeek-V4's compressed pools,
-draft pools) are refused by name when SGLang registers them.
+stays one lookup over every pool. Other side pools (DeepSeek-V4's compressed pools) are
+refused by name when SGLang registers them.
 
 Under pipeline parallelism each stage's controller has a backend object of its own over
 the stage's layers; pages are keyed by the model's layer numbers (the host pool's
@@ -135,7 +139,9 @@ class KvconnHiCacheStorage(HiCacheStorage):
         # them all (on_host_pools_registered), since a connector's layout is fixed.
         self._kv_shape: HostPoolShape | None = None
         self._side_pools: dict[str, HostPoolShape] = {}
-        self._attach_lock = threading.Lock()
+        self._attach_lock = threading.RLock()
+        #: Whether SGLang has asked anything of the store (then no pool may join).
+        self._used = False
         #: Saves SGLang was told are not stored because the store had not finished them
         #: within ``load_timeout_s`` (a stalled store); logged once a minute at most.
         self.late_saves = 0
@@ -151,10 +157,14 @@ class KvconnHiCacheStorage(HiCacheStorage):
         """Hybrid controllers register every pool of their group here, KV included.
 
         The KV pool is the one ``register_mem_pool_host`` described. A side pool kvconn
-        can store per page (DeepSeek-V3.2's DSA indexer) becomes a layer group of its
-        own; any other is refused here, by name, rather than read as a miss on every
-        request. SGLang registers dynamic side pools after start-up too; a connector's
-        layout is fixed by then, so those are refused as well.
+        can store per page (DeepSeek-V3.2's DSA indexer, SWA, Mamba, a speculative
+        draft model's pools) becomes a layer group of its own; any other is refused
+        here, by name, rather than read as a miss on every request.
+
+        SGLang registers dynamic side pools (a draft model's) after the storage has
+        started, when the draft worker comes up: the connector is started again with
+        the new pool, as long as it has not answered or moved anything yet (its
+        layout decides every key). One registered after that is refused.
         """
         name = str(host_pool_name)
         if name != PoolName.KV:
@@ -168,12 +178,18 @@ class KvconnHiCacheStorage(HiCacheStorage):
                     "pool has none), so two stages' pages would share keys; run without "
                     "L3 storage or at pp_size=1"
                 )
-            if self.connector is not None:
-                raise ConfigError(
-                    f"the {name!r} pool was registered after the kvconn HiCache backend "
-                    "started; its layout (the pools it stores) is fixed at start-up"
-                )
-            self._side_pools[name] = shape
+            with self._attach_lock:
+                if self.connector is not None and self._used:
+                    raise ConfigError(
+                        f"the {name!r} pool was registered after the kvconn HiCache "
+                        "backend started and answered SGLang; its layout (the pools it "
+                        "stores, hence every key) is fixed once it has"
+                    )
+                self._side_pools[name] = shape
+                if self.connector is not None:  # a dynamic side pool: start again with it
+                    log.info("kvconn HiCache storage: the %r pool joins the layout", name)
+                    self.close()
+            self._attach_registered()
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def on_host_pools_registered(self) -> None:
@@ -203,9 +219,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if shard_heads != config.shard_heads:
             config = dataclasses.replace(config, shard_heads=shard_heads)
         tp = self.storage_config.tp_size
-        # a Mamba state is split by heads over the ranks, none duplicated: keyed per rank
-        side_units = {pool.name: self._swa_units(pool) for pool in side_pools if pool.kind == "mha"}
-        side_units |= {pool.name: tp for pool in side_pools if pool.kind == "mamba"}
+        side_units = {pool.name: self._side_units(pool) for pool in side_pools}
+        self._check_draft_writers(side_pools)
         layout = describe_host_pool(shape, tp, units, side_pools, side_units)
         if self.storage_config.should_split_heads:
             try:  # what the connector will plan, refused here naming tp_lcm_size
@@ -282,6 +297,39 @@ class KvconnHiCacheStorage(HiCacheStorage):
             log.warning("kvconn HiCache storage: %s; keying every rank's K/V separately", exc)
             return kv_units(shape.head_num, tp, None)
 
+    def _side_units(self, pool: HostPoolShape) -> int:
+        """A side pool's units by heads. A Mamba state is split by heads over the ranks,
+        none duplicated: each rank's its own. A draft model's K/V heads are its own
+        count, which the storage cannot read: keyed per rank (a duplicated draft head is
+        stored once per rank; assumed wrongly, a count would store two ranks' different
+        heads as one page). Identical pools (latents, indexers) have one unit."""
+        tp: int = self.storage_config.tp_size
+        if pool.name == PoolName.SWA:
+            return self._swa_units(pool)
+        if pool.kind == "mamba":
+            return tp
+        if pool.kind == "mha":
+            return kv_units(pool.head_num, tp, None)
+        return 1
+
+    def _check_draft_writers(self, side_pools: Sequence[HostPoolShape]) -> None:
+        """Refuse a draft pool split by heads that SGLang saves from rank 0 alone.
+
+        With an MLA target, SGLang's controller backs up a dynamic backend's draft pools
+        from rank 0 only (``HybridCacheController.should_backup``): an MHA draft's other
+        ranks' heads would never be stored, and no block would ever be a hit.
+        """
+        tp = self.storage_config.tp_size
+        split = [p.name for p in side_pools if p.name.startswith("draft") and p.kind == "mha"]
+        if split and tp > 1 and not self.every_rank_saves:
+            raise ConfigError(
+                f"the kvconn HiCache backend cannot store the {', '.join(map(repr, split))} "
+                f"pool(s) at TP={tp} with an MLA target: SGLang saves draft pools from rank "
+                "0 alone then, and these are split by heads over the ranks, so no block "
+                "would ever be whole in the store; run the draft without L3 storage or "
+                "at TP=1"
+            )
+
     def _swa_units(self, pool: HostPoolShape) -> int:
         """The SWA pool's K/V units: the model's SWA KV head count, checked against the
         pool's heads as the KV pool's is. A count unknown or not the pool's keys every
@@ -328,6 +376,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         return shards
 
     def _require(self) -> Connector:
+        self._used = True  # the layout answers from now on: no pool may join it
         if self.connector is None:
             # an engine that never says its pools are all registered: start on first use
             self._attach_registered()
@@ -737,9 +786,10 @@ _SIDE_POOLS_REFUSED = {
     "mamba": "kvconn stores SGLang's Mamba state pool (MambaPoolHost), not this one",
     "swa": "kvconn stores a sliding-window pool of K/V heads (MHATokenToKVPoolHost), not this one",
     "auxiliary_swa": "an auxiliary sliding-window pool is not stored yet",
-    "draft": "speculative decoding's draft pools are not stored yet",
-    "draft_indexer": "speculative decoding's draft pools are not stored yet",
-    "draft_swa": "speculative decoding's draft pools are not stored yet",
+    "draft": "kvconn stores a draft model's MHATokenToKVPoolHost or MLATokenToKVPoolHost, "
+    "not this one",
+    "draft_indexer": "kvconn stores a draft model's DSAIndexerPoolHost, not this one",
+    "draft_swa": "kvconn stores a draft model's sliding-window MHATokenToKVPoolHost, not this one",
 }
 
 
@@ -753,7 +803,10 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     latent, and saved from the rank SGLang saves the latent from.
     """
     kind = type(pool).__name__
-    if name == PoolName.INDEXER and type(pool) is DSAIndexerPoolHost:
+    if name == PoolName.DRAFT and type(pool) in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
+        # a draft model's K/V, moved with the KV pool's host indices
+        return dataclasses.replace(_shape_of(pool), name=name)
+    if name in (PoolName.INDEXER, PoolName.DRAFT_INDEXER) and type(pool) is DSAIndexerPoolHost:
         buffer = pool.index_k_with_scale_buffer
         if not isinstance(buffer, torch.Tensor):
             raise LayoutError(f"the {name!r} pool ({kind}) has no buffer on this rank")
@@ -767,7 +820,7 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
             name=name,
             start_layer=pool.start_layer,
         )
-    if name == PoolName.SWA and type(pool) is MHATokenToKVPoolHost:
+    if name in (PoolName.SWA, PoolName.DRAFT_SWA) and type(pool) is MHATokenToKVPoolHost:
         # K/V heads of the sliding-window layers, on SGLang's own SWA host slots
         return dataclasses.replace(_shape_of(pool), name=name, own_slots=True)
     if name == PoolName.MAMBA and type(pool) is MambaPoolHost:

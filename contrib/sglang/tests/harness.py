@@ -35,6 +35,11 @@ an MHA pool of the full-attention layers and SGLang's ``MambaPoolHost`` of the r
 state (one slot per checkpoint; the temporal state and two conv states of the Mamba
 layers, in buffers of their own), moved as the SWA pool is, with a window of one page
 (``MambaComponent``: the state at the end of the hit).
+
+A ``draft`` case adds a speculative draft model's KV pool (EAGLE's MHA, DeepSeek MTP's
+MLA: one layer, the target's layout) as SGLang's ``maybe_register_hicache_draft`` does:
+registered with the controller after the storage has started
+(``register_host_pool_entry``), moved with the KV pool's host indices and keys.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class Case:
     #: The ``WORLD`` processes are pipeline stages at TP=1, not TP ranks: stage ``r``
     #: holds the model's layers ``r * layers`` to ``(r + 1) * layers - 1``.
     pipeline: bool = False
+    #: A speculative draft model's KV pool, registered after the storage started.
+    draft: bool = False
     #: ``swa``: SGLang's window in pages (``SWAComponent.full_window_pages``; a Mamba
     #: pool's is 1), and the pages whose SWA K/V or Mamba state the backups store
     #: (default: the last window), as the backups of several radix nodes would, each
@@ -289,6 +296,8 @@ class Pools:
     indexer: Any = None
     controller_pool: Any = None
     trailing: Any = None  # the SWA or Mamba host pool, on slots of its own
+    draft: Any = None  # a draft model's host pool
+    draft_entry: Any = None  # its HostPoolGroup entry, registered after start-up
 
 
 def _pools(case: Case, rank: int) -> Pools:
@@ -368,6 +377,8 @@ def _pools(case: Case, rank: int) -> Pools:
             **common,
         )
     allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", device, False)
+    if case.draft:
+        return _draft_pools(case, allocator, device, host, tokens, dtype, common)
     if case.model != "dsa":
         return Pools(allocator, host, controller_pool=host)
     return _dsa_pools(case, allocator, device, host)
@@ -451,6 +462,60 @@ def _mamba_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) ->
     )
     allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", kv, False)
     return Pools(allocator, host, controller_pool=group, trailing=mamba)
+
+
+def _draft_pools(
+    case: Case,
+    allocator: Any,
+    device: Any,
+    host: Any,
+    tokens: int,
+    dtype: Any,
+    common: dict[str, Any],
+) -> Pools:
+    """The target's KV pool alone in a ``HostPoolGroup`` (what a hybrid controller
+    needs to take a draft pool later), and a one-layer draft pool of the target's kind
+    and layout with a host pool of the target's size, as SGLang's
+    ``build_full_draft_pools`` makes it; its entry is registered after start-up."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        _mha_host_inputs,
+        build_pool_entry,
+    )
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    layers = {layer: layer for layer in range(case.layers)}
+    group = _host_group(case.layers, (PoolName.KV, host, device, layers))
+    if case.model == "mha":
+        draft_device = MHATokenToKVPool(
+            tokens, case.page_size, dtype, case.heads, case.head_dim, 1, "cpu", False
+        )
+        cls, info, kwargs = _mha_host_inputs(draft_device)
+        draft = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+    else:
+        draft_device = MLATokenToKVPool(
+            tokens, case.page_size, dtype, case.kv_lora_rank, case.rope_dim, 1, "cpu", False
+        )
+        draft = MLATokenToKVPoolHost(
+            draft_device.get_device_pool_infos()[0].buffer_info,
+            layout=case.layout,
+            pin_memory=False,
+            device_capacity_tokens=draft_device.size,
+            start_layer=0,
+            end_layer=1,
+            target_layer_num=1,
+            override_kv_cache_dim=draft_device.kv_cache_dim,
+            **common,
+        )
+    entry = build_pool_entry(
+        name=PoolName.DRAFT,
+        host_pool=draft,
+        device_pool=draft_device,
+        layer_mapping={0: 0},
+        transfer_layer_id_max=1,
+    )
+    return Pools(allocator, host, controller_pool=group, draft=draft, draft_entry=entry)
 
 
 def _host_group(layer_max: int, *pools: tuple[Any, Any, Any, dict[int, int]]) -> Any:
@@ -560,7 +625,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         model_name="kvconn-test-model",
         storage_backend_extra_config=dict(case.extra_config),
     )
-    if case.model == "dsa" or case.trailing_pool:
+    if case.model == "dsa" or case.trailing_pool or case.draft:
         controller = HybridCacheController(
             pools.allocator,
             pools.controller_pool,
@@ -587,8 +652,12 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         controller = HiCacheController(
             pools.allocator, host, ps, dist.group.WORLD, threading.Event(), **common
         )
+    if pools.draft_entry is not None:  # the draft worker comes up after the storage
+        controller.register_host_pool_entry(pools.draft_entry)
     # What each pool holds, for writing known bytes and reading them back.
     side = {"kv": host} | ({"indexer": pools.indexer} if pools.indexer is not None else {})
+    if pools.draft is not None:
+        side["draft"] = pools.draft
     trailing = pools.trailing
     if case.trailing_pool:
         side[case.trailing_pool] = trailing
@@ -689,6 +758,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             result["late_registration"] = _late_registration(storage, pools.indexer)
         connector = getattr(storage, "connector", None)
         result["kvconn"] = connector.stats.snapshot() if connector is not None else None
+        result["pool_groups"] = dict(getattr(storage, "pool_groups", {}))
         rounds = getattr(storage, "rounds", None)
         if rounds is not None:
             result["rounds"] = {"striped": rounds.striped, "handed_back": rounds.handed_back}
@@ -733,16 +803,15 @@ def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
             hit_policy=PoolHitPolicy.TRAILING_PAGES,
         )
         return {"extra_pools": [window]}
-    if case.model != "dsa":
+    if case.model != "dsa" and not case.draft:
         return {}
-
-    indexer = PoolTransfer(
-        name=PoolName.INDEXER,
+    side = PoolTransfer(
+        name=PoolName.DRAFT if case.draft else PoolName.INDEXER,
         keys=keys,
         hit_policy=PoolHitPolicy.ALL_PAGES,
         indices_from_pool=PoolName.KV,
     )
-    return {"extra_pools": [indexer]}
+    return {"extra_pools": [side]}
 
 
 def _window_backup(case: Case, hashes: list[str], host_indices: Any) -> Any:
@@ -791,7 +860,7 @@ def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
 
 def _hit_query(controller: Any, case: Case, rid: str, tokens: list[int]) -> tuple[Any, int]:
     """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
-    if case.model == "dsa" or case.trailing_pool:  # the hybrid controller takes a handle
+    if case.model == "dsa" or case.trailing_pool or case.draft:  # a hybrid controller
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         op = controller.prefetch(CacheRequestHandle(rid, 0), tokens, **_sidecars(case))

@@ -391,7 +391,7 @@ def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
         ("mamba", "MambaPoolHost"),  # a Mamba pool of another class
         ("swa", "MHATokenToKVPoolHost"),  # an SWA pool of another kind (MLA, DeepSeek-V4)
         ("deepseek_v4_c4", "DeepSeek-V4"),
-        ("draft", "draft pools"),
+        ("draft", "MHATokenToKVPoolHost or MLATokenToKVPoolHost"),
         # MiniMax-M3's or QSA's indexer is not DeepSeek-V3.2's DSAIndexerPoolHost
         ("indexer", "DSAIndexerPoolHost"),
     ],
@@ -619,20 +619,26 @@ def test_an_swa_pool_with_other_pages_than_the_kv_pool_is_refused():
 
 def test_an_swa_pool_under_pipeline_parallelism_is_refused_by_name():
     """SGLang's hybrid SWA pools number their layers from 0 on every stage."""
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    pool = object.__new__(MHATokenToKVPoolHost)
-    shape = swa_shape()
-    for name, value in dataclasses.asdict(shape).items():
-        if name not in ("kind", "name", "own_slots", "size"):
-            setattr(pool, name, value)
-    pool.size = shape.size
+    pool = host_pool_of(swa_shape())
     storage = KvconnHiCacheStorage(storage_config(pp_size=2))
     with pytest.raises(ConfigError, match="'swa' pool under pipeline parallelism"):
         storage.register_mem_host_pool_v2(pool, PoolName.SWA)
     plain = KvconnHiCacheStorage(storage_config())
     plain.register_mem_host_pool_v2(pool, PoolName.SWA)
     assert plain._side_pools["swa"].own_slots
+
+
+def host_pool_of(shape):
+    """An SGLang host pool object of ``shape``'s class (MHA or MLA) with its attributes,
+    as the adapter reads them, without allocating SGLang's buffers."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    pool = object.__new__(MHATokenToKVPoolHost if shape.kind == "mha" else MLATokenToKVPoolHost)
+    for field in dataclasses.fields(shape):
+        if field.name not in ("kind", "name", "own_slots", "components"):
+            setattr(pool, field.name, getattr(shape, field.name))
+    return pool
 
 
 @pytest.fixture
@@ -800,3 +806,62 @@ def test_a_hit_ends_on_a_page_whose_state_is_stored(mamba_storage):
     assert storage.batch_get_v2([state([SIX[4]], torch.tensor([1]))]) == {"mamba": [True]}
     assert torch.equal(pool.get_data_page(1), stored)
     assert int(torch.count_nonzero(pool.get_data_page(6))) == 0  # only the slot named
+
+
+# ------------------------------------------------------------------ draft model pools
+def lmdb_config(path, **kw):
+    extra = {"interface_v1": 1, "kvconn": {"backend": "lmdb", "options": {"path": str(path)}}}
+    return storage_config(**({"tp_size": 1, "extra_config": extra} | kw))
+
+
+def test_a_draft_pool_registered_after_start_up_joins_the_layout_before_any_call(tmp_path):
+    """SGLang registers a draft model's pool once its draft worker is up, after the
+    storage started: the connector starts again with it, so the draft's pages have keys
+    and a hit needs them."""
+    storage = KvconnHiCacheStorage(lmdb_config(tmp_path))
+    kv = mha_shape("page_first", pages=10)
+    storage.register_mem_pool_host(host_pool_of(kv))
+    storage.on_host_pools_registered()
+    assert storage.pool_groups == {"kv": 0}
+    draft = dataclasses.replace(mha_shape("page_first", pages=10, layers=1), name="draft")
+    draft.kv_buffer.normal_()
+    storage.register_mem_host_pool_v2(host_pool_of(draft), PoolName.DRAFT)
+    try:
+        assert storage.pool_groups == {"kv": 0, "draft": 1}
+        assert storage.batch_set_v1(SIX, torch.arange(0, 24)) == [True] * 6
+        assert storage.batch_exists(SIX) == 0  # the draft's pages are not stored yet
+        sidecar = PoolTransfer(name=PoolName.DRAFT, keys=SIX, host_indices=torch.arange(0, 24))
+        assert storage.batch_set_v2([sidecar]) == {"draft": [True] * 6}
+        assert storage.batch_exists(SIX) == 6
+        # once the store has answered, the layout (every key) is fixed
+        with pytest.raises(ConfigError, match=r"'draft' pool was registered after .* answered"):
+            storage.register_mem_host_pool_v2(host_pool_of(draft), PoolName.DRAFT)
+    finally:
+        storage.close()
+
+
+def test_an_mha_draft_an_mla_target_saves_from_rank_0_alone_is_refused(tmp_path):
+    """SGLang backs up a dynamic backend's draft pools from rank 0 only with an MLA
+    target: a draft split by heads would never be whole in the store."""
+    storage = KvconnHiCacheStorage(lmdb_config(tmp_path, tp_size=2, is_mla_model=True))
+    kv, _ = mla_dsa_shapes()
+    draft = dataclasses.replace(mha_shape("page_first", pages=8, layers=1), name="draft")
+    with pytest.raises(ConfigError, match=r"'draft' pool.* at TP=2 with an MLA target"):
+        storage.attach(kv, side_pools=[draft])
+
+
+def test_each_draft_pool_has_roles_of_its_own_beside_its_targets():
+    """A draft's pools are described like their targets' under roles named after them,
+    so no two pools' pages share a fingerprint."""
+    kv, index = mla_dsa_shapes()
+    draft = dataclasses.replace(kv, name="draft")
+    draft_index = dataclasses.replace(index, name="draft_indexer")
+    described = describe_host_pool(kv, 2, 1, [index, draft, draft_index])
+    roles = [{r.role for r in described.group(g).regions} for g in range(4)]
+    assert roles == [{"latent"}, {"index_k"}, {"draft_latent"}, {"draft_index_k"}]
+    mha = mha_shape("page_first", pages=10)
+    swa, draft_swa = swa_shape(), dataclasses.replace(swa_shape(), name="draft_swa")
+    described = describe_host_pool(mha, 2, 4, [swa, draft_swa], {"swa": 4, "draft_swa": 4})
+    assert {r.role for r in described.group(2).regions} == {"draft_swa_k", "draft_swa_v"}
+    fingerprints = [p.fingerprint for p in plan_pages(described)]
+    assert len(set(fingerprints)) == len(fingerprints)

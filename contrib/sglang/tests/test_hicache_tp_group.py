@@ -119,6 +119,16 @@ def _cases(root: Path) -> dict[str, Case]:
             ),
             # one KV head for the model at TP=2, in both pools: each stored once
             case("swa-gqa-duplicated", model="swa", heads=1, kv_heads=1),
+            # a speculative draft model's KV pool, registered after the storage started:
+            # EAGLE's MHA draft on an MHA target, DeepSeek MTP's MLA draft on MLA
+            case("draft-mha-page-first", draft=True, layout="page_first"),
+            case("draft-mla-layer-first", draft=True, model="mla"),
+            # after the hit query, the draft page of block 3 only rank 1 loads disappears
+            case(
+                "draft-page-evicted",
+                draft=True,
+                between_hit_and_get=EvictPage(3, f"w{WORLD}r1", group=1),
+            ),
             # a hybrid linear-attention model (SGLang's MambaPoolHost): the state of the
             # last page stored
             case("mamba-layer-first", model="mamba"),
@@ -175,6 +185,8 @@ def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
 
 
 ALL_LOADED = [
+    "draft-mha-page-first",
+    "draft-mla-layer-first",
     "mamba-layer-first",
     "mamba-page-first",
     "swa-layer-first",
@@ -363,9 +375,9 @@ def test_an_indexer_page_evicted_after_the_hit_query_fails_that_block_and_later_
         assert r["hit_tokens_after"] == 3 * DSA_PAGE
 
 
-def test_a_side_pool_registered_after_start_up_is_refused(runs):
-    # SGLang's dynamic sidecars arrive after on_host_pools_registered; the store's
-    # layout, hence every key, was fixed then
+def test_a_side_pool_registered_once_the_store_has_answered_is_refused(runs):
+    # a pool arriving after the storage has answered SGLang: the store's layout, hence
+    # every key, was fixed then
     for r in runs["dsa-layer-first"]:
         assert r["late_registration"].startswith("ConfigError")
         assert "'indexer' pool was registered after" in r["late_registration"]
@@ -545,3 +557,36 @@ def test_a_state_lost_after_the_lookup_fails_its_load_and_the_next_lookup_misses
         assert r["hit_tokens_after"] == 0
     assert rank0["mamba_pages_equal"] == [True]
     assert rank1["mamba_pages_equal"] == [False] and rank1["mamba_pages_zero"] == [True]
+
+
+# ------------------------------------------------ speculative decoding: draft KV pools
+@pytest.mark.parametrize("name", ["draft-mha-page-first", "draft-mla-layer-first"])
+def test_a_draft_pool_registered_after_start_up_is_stored_and_loaded_with_the_kv(runs, name):
+    """SGLang registers the draft model's pool once its draft worker is up, after the
+    storage started: the store's layout takes it in (the connector starts again, before
+    any request), the backup writes its pages with the KV pool's, and the hit loads both
+    byte for byte into the KV pool's host slots."""
+    for r in runs[name]:
+        assert r["pool_groups"] == {"kv": 0, "draft": 1}
+        assert r["pool_hit_pages"] == {"kv": PAGES, "draft": PAGES}
+        assert r["draft_pages_equal"] == [True] * PAGES, f"rank {r['rank']}"
+    if name.startswith("draft-mha"):  # each rank its own heads of both models
+        assert stored_pages_by_group(runs, name) == {
+            (f"w{WORLD}r{rank}", group): PAGES for rank in range(WORLD) for group in ("lg0", "lg1")
+        }
+    else:  # the MLA latent and the MTP draft's latent: once, by rank 0
+        assert stored_pages_by_group(runs, name) == {
+            ("replicated", "lg0"): PAGES,
+            ("replicated", "lg1"): PAGES,
+        }
+        assert [written(r) for r in runs[name]] == [2 * PAGES, 0]
+
+
+def test_a_draft_page_lost_after_the_lookup_ends_the_load_there_on_both_ranks(runs):
+    for r in runs["draft-page-evicted"]:
+        assert r["hit_tokens"] == PAGES * 4
+        assert r["loaded_tokens"] == 3 * 4
+        assert r["pages_equal"] == [True] * 3 and r["draft_pages_equal"] == [True] * 3
+        assert r["hit_tokens_after"] == 3 * 4
+    rank1 = runs["draft-page-evicted"][1]
+    assert rank1["draft_failed_pages_untouched"] == [True] * (PAGES - 3)
