@@ -54,6 +54,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mooncake-swa-page-first": ("mooncake", {"model": "swa", "layout": "page_first"}),
     # a hybrid linear-attention model: the KV pages and the state of the last page
     "redis-mamba-layer-first": ("redis", {"model": "mamba"}),
+    # a draft model's pool registered after the storage started: the connector (and
+    # its Mooncake client) starts again with it
+    "mooncake-eagle-draft": ("mooncake", {"draft": True, "layout": "page_first"}),
 }
 
 
@@ -126,6 +129,9 @@ def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes_from_the
         if case.model == "swa":  # the window that ends the hit, from its own host slots
             assert r["swa_window_pages"] == [pages - 2, pages - 1]
             assert r["swa_pages_equal"] == [True, True], f"rank {r['rank']} swa"
+        if case.draft:  # the draft's pages, loaded with the KV into the KV pool's slots
+            assert r["pool_groups"] == {"kv": 0, "draft": 1}
+            assert r["draft_pages_equal"] == [True] * pages, f"rank {r['rank']} draft"
         if case.model == "mamba":  # the state at the hit's end, from its own state slot
             assert r["mamba_window_pages"] == [pages - 1]
             assert r["mamba_pages_equal"] == [True], f"rank {r['rank']} mamba"
