@@ -186,10 +186,12 @@ class KvconnHiCacheStorage(HiCacheStorage):
                         "stores, hence every key) is fixed once it has"
                     )
                 self._side_pools[name] = shape
-                if self.connector is not None:  # a dynamic side pool: start again with it
+                restart = self.connector is not None  # a dynamic side pool
+                if restart:
                     log.info("kvconn HiCache storage: the %r pool joins the layout", name)
                     self.close()
-            self._attach_registered()
+            if restart:  # else the connector starts once SGLang has registered them all
+                self._attach_registered()
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def on_host_pools_registered(self) -> None:
@@ -795,8 +797,8 @@ _SIDE_POOLS_REFUSED = {
 
 def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     """A side pool kvconn stores per page (DeepSeek-V3.2's DSA indexer, a hybrid model's
-    sliding-window K/V), or a :class:`ConfigError` naming the pool and why it is not
-    stored.
+    sliding-window K/V or Mamba state, a draft model's pools), or a :class:`ConfigError`
+    naming the pool and why it is not stored.
 
     The DSA index keys are computed from a projection every rank holds whole, so every
     rank's indexer pool holds the same bytes: stored once for the group, like the MLA

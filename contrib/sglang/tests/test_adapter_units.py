@@ -865,3 +865,28 @@ def test_each_draft_pool_has_roles_of_its_own_beside_its_targets():
     assert {r.role for r in described.group(2).regions} == {"draft_swa_k", "draft_swa_v"}
     fingerprints = [p.fingerprint for p in plan_pages(described)]
     assert len(set(fingerprints)) == len(fingerprints)
+
+
+def test_the_connector_starts_once_after_sglang_registers_every_start_up_pool(tmp_path):
+    """A hybrid controller registers its pools one by one, then says it is done: one
+    start with all of them, not one per pool (each would open the store again)."""
+    storage = KvconnHiCacheStorage(lmdb_config(tmp_path))
+    starts = []
+    attach = storage.attach
+
+    def counted(shape, **kw):
+        starts.append([p.name for p in kw.get("side_pools", ())])
+        attach(shape, **kw)
+
+    storage.attach = counted  # type: ignore[method-assign]
+    kv = mha_shape("page_first", pages=10)
+    storage.register_mem_pool_host(host_pool_of(kv))
+    storage.register_mem_host_pool_v2(host_pool_of(swa_shape()), PoolName.SWA)
+    storage.register_mem_host_pool_v2(mamba_pool(), PoolName.MAMBA)
+    assert starts == [] and storage.connector is None
+    storage.on_host_pools_registered()
+    try:
+        assert starts == [["swa", "mamba"]]
+        assert storage.pool_groups == {"kv": 0, "swa": 1, "mamba": 2}
+    finally:
+        storage.close()
