@@ -5,7 +5,8 @@ conflicting packages (and neither belongs in kvconn's own environment).
 ``nox -s vllm_stores`` and ``nox -s sglang_stores`` run the engines on real Redis and
 Mooncake servers, each in an environment of its own with the stores' clients, which the
 ``vllm`` and ``sglang`` sessions' leave out.
-``nox -s bench_vllm -- [options]`` runs benchmarks/bench_engine_vllm.py (never by default).
+``nox -s bench_vllm -- [options]`` runs benchmarks/bench_engine_vllm.py and
+``nox -s bench_sglang -- [options]`` benchmarks/bench_sglang_hicache.py (never by default).
 A session installs its environment once and reuses it while its requirements file is
 unchanged (a stamp in the environment holds the file's hash), so a warm rerun only
 runs the tests. ``nox -s vllm -- -k evicted`` passes arguments to pytest.
@@ -117,3 +118,21 @@ def bench_vllm(session: nox.Session) -> None:
         ROOT / "benchmarks/requirements-bench-vllm.txt",
     )
     session.run("python", str(ROOT / "benchmarks/bench_engine_vllm.py"), *session.posargs)
+
+
+# not a test either: ``nox -s bench_sglang`` runs it
+@nox.session(python=None, default=False)
+def bench_sglang(session: nox.Session) -> None:
+    """benchmarks/bench_sglang_hicache.py: kvconn against SGLang's own HiCache storage
+    backends inside SGLang's HiCache controller (its file and Mooncake backends).
+
+    SGLang's environment plus the stores' clients (``mooncake`` for both Mooncake
+    configurations). ``nox -s bench_sglang -- --help`` lists the benchmark's options.
+    """
+    _install_once(session, ROOT / "contrib/sglang/requirements-engine.txt", STORES)
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/bench_sglang_hicache.py"),
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )

@@ -693,8 +693,10 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
                     int(window_written[j * tps]), page(name, i).view(dtypes[name])
                 )
             sidecars = {"extra_pools": [_window_backup(case, hashes, window_written)]}
+        clock = time.perf_counter()
         controller.write_storage(written, tokens, hash_value=hashes, **sidecars)
         backup = _wait(controller.ack_backup_queue, "backup ack")
+        result["seconds_backup"] = time.perf_counter() - clock
         result["backup_completed_tokens"] = backup.completed_tokens
         dist.barrier()
         host.free(written)
@@ -705,7 +707,9 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
                 buffer.zero_()
 
         # pass 2: the same prompt hits and loads the pages into fresh host slots
+        clock = time.perf_counter()
         op, hit = _hit_query(controller, case, "warm", tokens)
+        result["seconds_hit_query"] = time.perf_counter() - clock
         result["hit_tokens"] = hit
         result["pool_hit_pages"] = {
             str(name): pages for name, pages in getattr(op, "query_pool_hit_pages", {}).items()
@@ -721,6 +725,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
             window_load.host_indices = trailing.alloc(len(window_load.keys) * trailing.page_size)
         if case.terminated_on == rank:
             op.mark_terminate()
+        clock = time.perf_counter()
         controller.prefetch_buffer.put(op)
         completed = 0
         while True:
@@ -732,6 +737,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
                 result[f"{case.trailing_pool}_loaded_pages"] = ack.pool_hits[case.trailing_pool]
             if ack.completed_req:
                 break
+        result["seconds_load"] = time.perf_counter() - clock
         result["loaded_tokens"] = completed
         if window_load is not None:  # the controller keyed the window at the loaded pages
             name = case.trailing_pool
