@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "contrib/sglang/tests"))
 
-from harness import Case, run_cases  # noqa: E402
+from harness import Case, run_cases  # type: ignore[import-not-found]  # noqa: E402
 
 CONFIGS = ("kvconn-lmdb", "sglang-file", "kvconn-mooncake", "sglang-mooncake")
 #: Figure -> the harness's timing of it, per rank.

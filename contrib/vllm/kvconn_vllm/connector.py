@@ -277,6 +277,9 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._incoming: dict[bytes, str] = {}
         self._brings: dict[str, list[bytes]] = {}
         self._no_layout_misses = 0  # lookups answered as misses before the layout came
+        #: Requests a load failed for: vLLM recomputes them, and they are not promised a
+        #: hit again (a worker whose store is in back-off fails every retry at once).
+        self._load_failed: set[str] = set()
         self._no_layout_log = LogInterval()
         # worker side
         self._conn: Connector | None = None
@@ -506,7 +509,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         ):
             return None, False
         hit = 0
-        if usable > done and self._loads_hits:
+        if usable > done and self._loads_hits and request.request_id not in self._load_failed:
             if self._asker is not None:
                 answer = self._asker.ask(request.request_id, hashes[done:usable])
                 if answer is None:
@@ -602,16 +605,18 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         for req_id in connector_output.finished_recving or ():
             self._arrived(req_id)
         for req_id in connector_output.failed_recving or ():
+            self._load_failed.add(req_id)
             tracked = self._tracked.get(req_id)
             if tracked is not None:  # vLLM recomputes the whole request
                 tracked.saved = min(tracked.saved, tracked.computed)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
-        for tracked in self._tracked.values():
+        for req_id, tracked in self._tracked.items():
             first = tracked.blocks.first_in(self._group_ids[0], invalid, tracked.saved)
             if first is not None:
                 tracked.saved = first
+                self._load_failed.add(req_id)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -631,6 +636,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         tracked = self._tracked.get(req_id)
         for table in (self._hits, self._adopted, self._tracked, self._loads):
             table.pop(req_id, None)
+        self._load_failed.discard(req_id)
         self._arrived(req_id)
         if self._asker is not None:
             self._asker.forget(req_id)

@@ -67,7 +67,14 @@ CASES = {
         "llama-2kv",
         1,
         {"lg0/w1r0": 1},
-        args=("--backend", "lmdb-drop-on-load", "--marker", "3:drop-next-load"),
+        args=(
+            "--backend",
+            "lmdb-drop-on-load",
+            "--marker",
+            "3:drop-next-load",
+            "--marker",
+            "4:fail-next-load",
+        ),
     ),
     # vLLM duplicates the one head on both ranks: stored once
     "llama-1kv-tp2": Case("llama-1kv", 2, {"lg0/replicated": 1}),
@@ -208,7 +215,7 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
     engine_run: Callable[[str], EngineRun],
 ) -> None:
     store, result, log = engine_run("llama-2kv-tp1")
-    first, _, third = result["runs"]
+    first, _, third, _ = result["runs"]
     assert not (store / "drop-next-load").exists()  # the backend did delete a page
     assert "Recovered from KV load failure: 1 request(s) rescheduled" in log
     assert "did not load; vLLM recomputes them" in log
@@ -216,6 +223,22 @@ def test_a_page_evicted_between_lookup_and_load_is_recomputed_by_vllm(
     assert third["logprobs"] == first["logprobs"]
     # the recomputed blocks were saved again
     assert len(pages_per_block(store)) == CASES["llama-2kv-tp1"].full_blocks
+
+
+def test_a_request_whose_load_failed_is_recomputed_not_promised_the_hit_again(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """The fourth run's load fails as a store that went away does: the worker serves
+    without the store for ``retry_interval_s`` while the scheduler's lookups still find
+    every page. The request is recomputed, once: offered the same hit again, it would
+    fail at once on every step until the back-off ends (204 failed loads of one request
+    in one run, seen when two pipeline stages' workers raced for a test marker)."""
+    store, result, log = engine_run("llama-2kv-tp1")
+    first, *_, fourth = result["runs"]
+    assert not (store / "fail-next-load").exists()  # the worker's load did fail
+    assert log.count("did not load") == 2  # the third run's and the fourth's, once each
+    assert fourth["token_ids"] == first["token_ids"]
+    assert fourth["logprobs"] == first["logprobs"]
 
 
 def test_with_striped_reads_a_tp2_group_reads_each_replicated_page_from_the_store_once(

@@ -5,7 +5,10 @@ in the store directory (and disarmed when used):
 
 * ``drop-next-load``: the next load first deletes the second page it asks for -- a
   page evicted between the scheduler's lookup and the worker's load, in vLLM's own
-  worker process;
+  worker process (under pipeline parallelism, the first stage's worker to load);
+* ``fail-next-load``: the next load fails as a store that went away does (a
+  ``BackendError``): that worker's connector serves without the store for its
+  ``retry_interval_s``, while the scheduler's lookups still find every page;
 * ``drop-at-lookup``, holding layer numbers (``0,2``): the next lookup first deletes
   the first page it asks for of the page kind that holds exactly those layers (found
   from the stored layout manifests) -- for a sliding-window group, the page of the
@@ -19,24 +22,37 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvconn_lmdb import LmdbBackend
 
 from kvconn.backend import ReadStatus
+from kvconn.errors import BackendError
 from kvconn.keys import parse_key, parse_manifest_key
 from kvconn.manifest import PageManifest
 
 MARKER = "drop-next-load"
+FAIL_MARKER = "fail-next-load"
 LOOKUP_MARKER = "drop-at-lookup"
+
+
+def _take(marker: Path) -> bool:
+    """Disarm ``marker`` if it is armed; False if another process (a pipeline stage's
+    worker) disarmed it first."""
+    try:
+        marker.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 class DropOnLoadBackend(LmdbBackend):
     name = "lmdb-drop-on-load"
 
     def _drop_if_armed(self, keys: list[str]) -> None:
-        marker = self.path / MARKER
-        if len(keys) > 1 and marker.exists():
-            marker.unlink()
+        if _take(self.path / FAIL_MARKER):
+            raise BackendError(f"lmdb-drop-on-load: a failed load ({FAIL_MARKER})")
+        if len(keys) > 1 and (self.path / MARKER).exists() and _take(self.path / MARKER):
             self._delete([keys[1]])
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
@@ -58,8 +74,7 @@ class DropOnLoadBackend(LmdbBackend):
                 (k for k in keys if (p := parse_key(k)) and (p.group, p.fingerprint) == kind),
                 None,
             )
-            if first is not None:
-                marker.unlink()
+            if first is not None and _take(marker):
                 self._delete([first])
         return super()._exists(keys)
 
