@@ -280,10 +280,10 @@ class Lookup:
                 if self.follow_markers
                 else []
             )
-            asked = [_asked_plans(keys.plans, overrides) for keys in stages]
+            # a group whose window is 0 is not needed: none of its keys is asked
+            asked = [[p for p in keys.plans if overrides[p.group] != 0] for keys in stages]
             per_stage = [
-                lookup_keys(keys.prefix, [p for p, _ in plans], hashes)
-                for keys, plans in zip(stages, asked)
+                lookup_keys(keys.prefix, plans, hashes) for keys, plans in zip(stages, asked)
             ]
             flat = [k for per_block in per_stage for block in per_block for k in block]
             try:
@@ -313,12 +313,10 @@ class Lookup:
             )
         it = iter(present)
         rows = [[[next(it) for _ in block] for block in per_block] for per_block in per_stage]
-        page_windows = [
-            [w for p, w in plans for _ in range(p.shard_class.shard_count)] for plans in asked
-        ]
+        page_windows = [lookup_windows(plans, overrides) for plans in asked]
         tokens = self.layout.tokens_per_block
         if all(w is None for stage in page_windows for w in stage):  # a prefix: the shortest
-            blocks = min(count_prefix_hit(r, None) for r in rows)
+            blocks = min(count_prefix_hit(r, w) for r, w in zip(rows, page_windows))
             return LookupResult(blocks, blocks * tokens)
         # with windows, the lengths every stage can restore (N may be one, N - 1 not)
         common = set.intersection(
@@ -635,11 +633,3 @@ def _digest(h: object) -> bytes:
             f"block hashes are {DIGEST_SIZE}-byte digests (kvconn.hashing), got {h!r:.80}"
         )
     return bytes(h)
-
-
-def _asked_plans(
-    plans: Sequence[PagePlan], windows: Mapping[int, int | None]
-) -> list[tuple[PagePlan, int | None]]:
-    """The page kinds a lookup asks for, each with its window; a group whose window is
-    0 is not needed, so none of its keys is asked."""
-    return [(p, windows[p.group]) for p in plans if windows[p.group] != 0]

@@ -6,7 +6,7 @@ and the scheduler that has no rank at all, derive the same answers without talki
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -287,10 +287,17 @@ def lookup_keys(
     return [[stem + h for stem in stems] for h in (b.hex() for b in block_hashes)]
 
 
-def lookup_windows(plans: Sequence[PagePlan]) -> list[int | None]:
+def lookup_windows(
+    plans: Sequence[PagePlan], groups: Mapping[int, int | None] | None = None
+) -> list[int | None]:
     """The window (in blocks, or ``None``) of each key :func:`lookup_keys` lists for one
-    block, in the same order: what :func:`count_prefix_hit` needs to apply windows."""
-    return [p.window for p in plans for _ in range(p.shard_class.shard_count)]
+    block, in the same order: what :func:`count_prefix_hit` needs to apply windows.
+    ``groups`` gives each layer group's window instead of its plans' (one lookup's)."""
+    return [
+        p.window if groups is None else groups[p.group]
+        for p in plans
+        for _ in range(p.shard_class.shard_count)
+    ]
 
 
 def count_prefix_hit(
