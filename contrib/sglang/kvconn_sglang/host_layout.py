@@ -86,11 +86,16 @@ class HostPoolShape:
     components: tuple[tuple[str, torch.Tensor], ...] = ()
 
     @property
+    def stored_components(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        """``components`` but those of no bytes (a conv-only model's temporal state),
+        which add nothing to SGLang's flat page."""
+        return tuple((name, tensor) for name, tensor in self.components if tensor.numel())
+
+    @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The pool's tensors, each a kvconn pool of its own, in the layout's order (a
-        component of no bytes, a conv-only model's temporal state, is none)."""
+        """The pool's tensors, each a kvconn pool of its own, in the layout's order."""
         if self.components:
-            return tuple(tensor for _, tensor in self.components if tensor.numel())
+            return tuple(tensor for _, tensor in self.stored_components)
         return (self.kv_buffer,)
 
     def __post_init__(self) -> None:
@@ -169,14 +174,14 @@ def describe_host_pool(
         dtype = f"{str(pool.kv_buffer.dtype).removeprefix('torch.')}:{pool.layout}"
         pages = pool.size // pool.page_size if pool.own_slots else kv_pages
         pool_units = units if index == 0 else _side_units(pool, side_units)
-        regions: list[Region] = []
         if pool.kind == "mamba":
             regions = _mamba_regions(pool, pool_units, first_pool, roles)
-        for role, views in _components(pool, pages, pool_units, dtype, roles):
-            regions.extend(
+        else:
+            regions = [
                 Region.from_tensor(role, layer, view, pool.kv_buffer, first_pool, unit_dim)
+                for role, views in _components(pool, pages, pool_units, dtype, roles)
                 for layer, view, unit_dim in views
-            )
+            ]
         label = f"hicache {pool.layout}" if index == 0 else f"hicache {pool.name} {pool.layout}"
         groups.append(LayerGroup(index, pages, tuple(regions), name=label))
         first_pool += len(pool.buffers)
@@ -204,25 +209,27 @@ def _mamba_regions(
             f"page_first_direct, not {pool.layout}"
         )
     regions = []
-    offset = 0
-    for name, tensor in pool.components:
-        if tensor.numel() == 0:
-            continue
+    for offset, (name, tensor) in enumerate(pool.stored_components):
         if tensor.shape[0] != pool.size:
             raise LayoutError(
                 f"host pool {pool.name!r}: its {name} buffer of shape {tuple(tensor.shape)} "
                 f"does not hold {pool.size} slots on dimension 0"
             )
-        role = Role(f"{pool.name}_{name}", units, str(tensor.dtype).removeprefix("torch."))
-        if role.name in roles:
-            raise LayoutError(f"host pool {pool.name!r}: role {role.name!r} is declared twice")
-        roles[role.name] = role
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        role = _declare(pool, roles, Role(f"{pool.name}_{name}", units, dtype))
         view = tensor.reshape(pool.size, -1)
         regions.append(
-            Region.from_tensor(role.name, pool.start_layer, view, tensor, first_pool + offset)
+            Region.from_tensor(role, pool.start_layer, view, tensor, first_pool + offset)
         )
-        offset += 1
     return regions
+
+
+def _declare(pool: HostPoolShape, roles: dict[str, Role], role: Role) -> str:
+    """Add ``role`` to the layout's roles (refused if a pool declared it already)."""
+    if role.name in roles:
+        raise LayoutError(f"host pool {pool.name!r}: role {role.name!r} is declared twice")
+    roles[role.name] = role
+    return role.name
 
 
 def _side_units(pool: HostPoolShape, side_units: Mapping[str, int] | None) -> int:
@@ -247,15 +254,10 @@ def _components(
     regions, each view a page per row in the order of SGLang's flat page."""
 
     def declare(role: Role) -> str:
-        if role.name in roles:
-            raise LayoutError(f"host pool {pool.name!r}: role {role.name!r} is declared twice")
-        roles[role.name] = role
-        return role.name
+        return _declare(pool, roles, role)
 
     buffer = pool.kv_buffer
     first = pool.start_layer  # a region's layer is the model's: a PP stage's own numbers
-    if pool.kind == "mamba":  # its regions are its components' (_mamba_regions)
-        return []
     if pool.kind == "indexer":
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's

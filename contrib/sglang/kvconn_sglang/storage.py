@@ -70,6 +70,7 @@ nothing serializes the three: a large ``batch_set_v1`` does not delay a ``batch_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -282,7 +283,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
             return 1
         if self.settings.kv_heads is not None:  # stated by the operator: must fit
             return kv_units(shape.head_num, tp, self.settings.kv_heads)
-        served = _served_kv_heads()
+        config = self._model_config
+        served = None if config is None else int(config.get_total_num_kv_heads())
         if self.storage_config.should_split_heads:
             # Pages shared across TP sizes need the same global head count at every TP
             # size: no fallback to keying this TP size's K/V on its own.
@@ -293,11 +295,13 @@ class KvconnHiCacheStorage(HiCacheStorage):
                     'there are fewer heads than ranks); set "kv_heads" in the extra config'
                 )
             return kv_units(shape.head_num, tp, served)
-        try:
-            return kv_units(shape.head_num, tp, served)
-        except LayoutError as exc:
-            log.warning("kvconn HiCache storage: %s; keying every rank's K/V separately", exc)
-            return kv_units(shape.head_num, tp, None)
+        return _units_or_per_rank(shape, tp, served)
+
+    @functools.cached_property
+    def _model_config(self) -> Any:
+        """SGLang's ``ModelConfig`` of the served model (``None``: unreadable), read
+        once: the KV and the SWA pools' head counts both come from it, at every start."""
+        return _served_model_config()
 
     def _side_units(self, pool: HostPoolShape) -> int:
         """A side pool's units by heads. A Mamba state is split by heads over the ranks,
@@ -334,21 +338,10 @@ class KvconnHiCacheStorage(HiCacheStorage):
 
     def _swa_units(self, pool: HostPoolShape) -> int:
         """The SWA pool's K/V units: the model's SWA KV head count, checked against the
-        pool's heads as the KV pool's is. A count unknown or not the pool's keys every
-        rank's heads apart: assumed wrongly, it would store two ranks' different heads
-        as one page."""
-        tp = self.storage_config.tp_size
-        config = _served_model_config()
+        pool's heads as the KV pool's is."""
+        config = self._model_config
         served = None if config is None else swa_kv_heads(config)
-        try:
-            return kv_units(pool.head_num, tp, served)
-        except LayoutError as exc:
-            log.warning(
-                "kvconn HiCache storage: the %r pool: %s; keying every rank's K/V separately",
-                pool.name,
-                exc,
-            )
-            return kv_units(pool.head_num, tp, None)
+        return _units_or_per_rank(pool, self.storage_config.tp_size, served)
 
     def _split_label(self, kv_heads: int | None) -> str:
         config = self.storage_config
@@ -889,10 +882,19 @@ def _served_model_config() -> Any:
         return None
 
 
-def _served_kv_heads() -> int | None:
-    """The served model's global KV head count, from the config SGLang published."""
-    config = _served_model_config()
-    return None if config is None else int(config.get_total_num_kv_heads())
+def _units_or_per_rank(pool: HostPoolShape, tp: int, served: int | None) -> int:
+    """A pool's K/V units from the model's head count; one that is unknown or does not
+    fit the pool's heads keys every rank's K/V separately (with a warning): assumed
+    wrongly, it would store two ranks' different heads as one page."""
+    try:
+        return kv_units(pool.head_num, tp, served)
+    except LayoutError as exc:
+        log.warning(
+            "kvconn HiCache storage: the %r pool: %s; keying every rank's K/V separately",
+            pool.name,
+            exc,
+        )
+        return kv_units(pool.head_num, tp, None)
 
 
 def swa_kv_heads(config: Any) -> int:

@@ -305,7 +305,6 @@ def _pools(case: Case, rank: int) -> Pools:
     ``rank``'s layers."""
     import torch
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.memory_pool import (
         DSATokenToKVPool,
         MHATokenToKVPool,
@@ -334,9 +333,7 @@ def _pools(case: Case, rank: int) -> Pools:
             False,
             **layers,
         )
-        cls, info, kwargs = _mha_host_inputs(device)
-        # pin_memory=False: pinning needs CUDA; SGLang's builder always pins
-        host = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+        host = _mha_host(case, device, common)
     else:
         if case.model == "dsa":
             # DeepSeek-V3.2: the MLA latent plus the indexer's fp8 keys and scales (head
@@ -392,7 +389,6 @@ def _swa_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> P
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        _mha_host_inputs,
         _swa_layer_mappings,
     )
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -408,10 +404,7 @@ def _swa_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> P
         full_attention_layer_ids=list(range(1, 2 * case.layers, 2)),
         device="cpu",
     )
-    hosts = []
-    for pool in (device.full_kv_pool, device.swa_kv_pool):
-        cls, info, kwargs = _mha_host_inputs(pool)
-        hosts.append(cls(info, layout=case.layout, pin_memory=False, **common, **kwargs))
+    hosts = [_mha_host(case, pool, common) for pool in (device.full_kv_pool, device.swa_kv_pool)]
     full_layers, swa_layers = _swa_layer_mappings(device)
     group = _host_group(
         2 * case.layers,
@@ -434,17 +427,13 @@ def _mamba_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) ->
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        _mha_host_inputs,
-    )
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     kv = MHATokenToKVPool(
         tokens, case.page_size, dtype, case.heads, case.head_dim, case.layers, "cpu", False
     )
-    cls, info, kwargs = _mha_host_inputs(kv)
-    host = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+    host = _mha_host(case, kv, common)
     slots = tokens // case.page_size
     states = MambaStateBufferInfo(
         temporal=torch.zeros(case.layers, slots, case.heads, 4, 4),
@@ -479,7 +468,6 @@ def _draft_pools(
     ``build_full_draft_pools`` makes it; its entry is registered after start-up."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        _mha_host_inputs,
         build_pool_entry,
     )
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -491,8 +479,7 @@ def _draft_pools(
         draft_device = MHATokenToKVPool(
             tokens, case.page_size, dtype, case.heads, case.head_dim, 1, "cpu", False
         )
-        cls, info, kwargs = _mha_host_inputs(draft_device)
-        draft = cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
+        draft = _mha_host(case, draft_device, common)
     else:
         draft_device = MLATokenToKVPool(
             tokens, case.page_size, dtype, case.kv_lora_rank, case.rope_dim, 1, "cpu", False
@@ -516,6 +503,15 @@ def _draft_pools(
         transfer_layer_id_max=1,
     )
     return Pools(allocator, host, controller_pool=group, draft=draft, draft_entry=entry)
+
+
+def _mha_host(case: Case, device: Any, common: dict[str, Any]) -> Any:
+    """The MHA host pool SGLang builds over ``device`` (``_mha_host_inputs``), in the
+    case's layout; pin_memory=False: pinning needs CUDA, and SGLang's builder pins."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+
+    cls, info, kwargs = _mha_host_inputs(device)
+    return cls(info, layout=case.layout, pin_memory=False, **common, **kwargs)
 
 
 def _host_group(layer_max: int, *pools: tuple[Any, Any, Any, dict[int, int]]) -> Any:

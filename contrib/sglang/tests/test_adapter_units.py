@@ -653,13 +653,18 @@ def swa_storage(tmp_path):
     storage.close()
 
 
-def swa(keys, host_indices=None):
+def trailing(name, keys, host_indices=None):
+    """A transfer of a pool SGLang loads only at the end of a hit (SWA, Mamba)."""
     return PoolTransfer(
-        name=PoolName.SWA,
+        name=name,
         keys=keys,
         host_indices=host_indices,
         hit_policy=PoolHitPolicy.TRAILING_PAGES,
     )
+
+
+def swa(keys, host_indices=None):
+    return trailing(PoolName.SWA, keys, host_indices)
 
 
 SIX = [f"{i:064x}" for i in range(1, 7)]
@@ -781,12 +786,7 @@ def mamba_storage(tmp_path):
 
 
 def state(keys, host_indices=None):
-    return PoolTransfer(
-        name=PoolName.MAMBA,
-        keys=keys,
-        host_indices=host_indices,
-        hit_policy=PoolHitPolicy.TRAILING_PAGES,
-    )
+    return trailing(PoolName.MAMBA, keys, host_indices)
 
 
 def test_a_hit_ends_on_a_page_whose_state_is_stored(mamba_storage):
