@@ -52,7 +52,7 @@ class DropOnLoadBackend(LmdbBackend):
     def _drop_if_armed(self, keys: list[str]) -> None:
         if _take(self.path / FAIL_MARKER):
             raise BackendError(f"lmdb-drop-on-load: a failed load ({FAIL_MARKER})")
-        if len(keys) > 1 and (self.path / MARKER).exists() and _take(self.path / MARKER):
+        if len(keys) > 1 and _take(self.path / MARKER):
             self._delete([keys[1]])
 
     def _get(self, keys: list[str], buffers: list[memoryview], *, scratch: bool) -> Sequence[bool]:
