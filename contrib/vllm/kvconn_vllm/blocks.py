@@ -11,12 +11,17 @@ outside its window, both when vLLM allocates a hit (``add_local_computed_blocks`
 the skipped blocks with it) and after it frees them (``remove_skipped_blocks``). Such a
 block has no slot: :data:`kvconn.layout.NO_SLOT`, which kvconn neither saves nor loads.
 
-Kept apart from the connector so that a later asynchronous connector can reuse it.
+A Mamba group in vLLM's ``mamba_cache_mode="align"`` is not positional: vLLM nulls
+interior states, and the block at a position may hold a running state, not the one
+after that position's last token. Its ids are kvconn slots only where vLLM says so:
+for a save, the blocks vLLM names in ``boundary_state_offloads``; for a load, the block
+vLLM just allocated at the hit's last position, where the request resumes from. Such
+groups are the table's ``state_groups``; elsewhere their blocks have no slot.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from kvconn.layout import NO_SLOT
 
@@ -30,9 +35,17 @@ __all__ = ["NULL_BLOCK_ID", "BlockTable"]
 class BlockTable:
     """The block ids of one request in the groups kvconn stores (vLLM group ids)."""
 
-    def __init__(self, groups: Iterable[int], null_block_id: int = NULL_BLOCK_ID) -> None:
+    def __init__(
+        self,
+        groups: Iterable[int],
+        null_block_id: int = NULL_BLOCK_ID,
+        state_groups: Iterable[int] = (),
+    ) -> None:
         self.ids: dict[int, list[int]] = {g: [] for g in groups}
         self._null = null_block_id
+        self.state_groups = frozenset(state_groups)
+        if not self.state_groups <= self.ids.keys():
+            raise ValueError(f"state groups {sorted(self.state_groups)} are not all groups")
 
     def replace(self, block_ids: Sequence[Sequence[int]] | None) -> None:
         """Every group's ids anew (a request scheduled for the first time, or resumed)."""
@@ -50,11 +63,32 @@ class BlockTable:
         """Blocks that every group has an id (or the null block) for."""
         return min((len(ids) for ids in self.ids.values()), default=0)
 
-    def slots(self, start: int, stop: int) -> dict[int, list[int]]:
-        """kvconn slots of blocks ``[start, stop)`` per group; ``NO_SLOT`` for null blocks."""
+    def slots(
+        self, start: int, stop: int, states: Mapping[int, Mapping[int, int]] | None = None
+    ) -> dict[int, list[int]]:
+        """kvconn slots of blocks ``[start, stop)`` per group; ``NO_SLOT`` for null blocks.
+
+        A state group's slots are ``states[group]`` (``{position: block id}``, the ones
+        in range), ``NO_SLOT`` elsewhere.
+        """
+        out = {}
+        for g, ids in self.ids.items():
+            if g in self.state_groups:
+                named = (states or {}).get(g, {})
+                row = [named.get(i, NO_SLOT) for i in range(start, stop)]
+            else:
+                row = list(ids[start:stop])
+            out[g] = [NO_SLOT if b == self._null else b for b in row]
+        return out
+
+    def resume_states(self, position: int) -> dict[int, dict[int, int]]:
+        """The state groups' blocks at ``position``, as :meth:`slots` takes them: where
+        a load of a hit ending there puts its states (vLLM allocates that block for the
+        state the request resumes from)."""
         return {
-            g: [NO_SLOT if b == self._null else b for b in ids[start:stop]]
-            for g, ids in self.ids.items()
+            g: {position: self.ids[g][position]}
+            for g in self.state_groups
+            if 0 <= position < len(self.ids[g])
         }
 
     def first_in(self, group: int, wanted: Container[int], stop: int) -> int | None:

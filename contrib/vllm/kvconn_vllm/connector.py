@@ -24,8 +24,12 @@ request as a failed receive (several groups, which vLLM 0.32 takes only per requ
 vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 
 Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on, and each of
-its KV-cache groups (full attention, sliding window) is a kvconn layer group; a sliding
-group's null blocks outside its window are kvconn's ``NO_SLOT``.
+its KV-cache groups (full attention, sliding window, Mamba state) is a kvconn layer
+group; a sliding group's null blocks outside its window are kvconn's ``NO_SLOT``. A
+Mamba group (``mamba_cache_mode="align"``) has window 1: a hit needs the state after its
+last block. Its states are saved from the blocks vLLM names in the step's
+``boundary_state_offloads``, captured in that step's ``wait_for_save``, before vLLM may
+free them; a load puts the state in the block vLLM allocated at the hit's last position.
 
 Pipeline parallelism: each stage's workers describe their own layers (numbered as in
 the model, from vLLM's layer names), so each stage saves and loads its own pages, and
@@ -122,6 +126,7 @@ class _Tracked:
     blocks: BlockTable
     saved: int  # leading blocks known to be stored (hit, or saved by an earlier step)
     computed: int = 0  # leading blocks vLLM had itself when kvconn was first asked
+    hit_end: int = 0  # blocks vLLM had or kvconn loaded: their states are not saved again
     saves_sent: bool = False  # some of its blocks were handed over for saving
 
 
@@ -254,6 +259,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # What kvconn stores, from vLLM's spec objects; refuses what it cannot (Mamba…)
         self._groups = cache_groups(vllm_config, kv_cache_config)
         self._group_ids = [g.index for g in self._groups]
+        self._state_groups = frozenset(g.index for g in self._groups if g.kind == "mamba")
         # vLLM takes load failures of a model with several groups only per request
         # (failed_recving), of one group per block (invalid_block_ids)
         self._per_request_failures = len(self._groups) > 1
@@ -540,7 +546,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if num_external_tokens > 0:
             count = num_external_tokens // self._block_size
             hashes = self._hashes(request)[done : done + count]
-            self._loads[req_id] = Transfer(req_id, hashes, table.slots(done, done + count))
+            states = table.resume_states(done + count - 1)
+            self._loads[req_id] = Transfer(req_id, hashes, table.slots(done, done + count, states))
             if self._shares_loads:
                 brings = [h for h in hashes if self._incoming.setdefault(h, req_id) == req_id]
                 # Added to, not replaced: a claim still held stays released by _arrived.
@@ -548,7 +555,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # What vLLM or kvconn already had is not saved again; a later step's new
         # blocks arrive through build_connector_meta.
         before = self._tracked.get(req_id)  # a preempted request, resumed
-        tracked = _Tracked(request, table, done + hit, done)
+        tracked = _Tracked(request, table, done + hit, done, hit_end=done + hit)
         # Saves handed over before the preemption still make request_finished hold its
         # blocks: the workers report it only then, and both sides must agree.
         tracked.saves_sent = before is not None and before.saves_sent
@@ -579,22 +586,54 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             computed[req_id] = cached.num_computed_tokens[i]
         if not self._saves_blocks:
             return meta
-        for req_id, before in computed.items():
+        offers = self._state_offers(scheduler_output)
+        for req_id in [*computed, *(r for r in offers if r not in computed)]:
             tracked = self._tracked[req_id]
-            after = before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             hashes = self._hashes(tracked.request)
-            full = min(after // self._block_size, len(hashes), len(tracked.blocks))
-            if full > tracked.saved:
+            states = offers.get(req_id, {})
+            start, full = tracked.saved, tracked.saved
+            if req_id in computed:
+                after = computed[req_id] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                full = max(start, min(after // self._block_size, len(hashes), len(tracked.blocks)))
+            # a state named for a block saved in an earlier step: a save of its own
+            late = sorted({i for named in states.values() for i in named if i < start})
+            for i in late:
+                only = {g: {i: named[i]} for g, named in states.items() if i in named}
+                slots = tracked.blocks.slots(i, i + 1, only)
+                slots = {g: row if g in only else [NO_SLOT] for g, row in slots.items()}
+                meta.saves.append(Transfer(req_id, hashes[i : i + 1], slots))
+            if full > start:
                 meta.saves.append(
-                    Transfer(
-                        req_id,
-                        hashes[tracked.saved : full],
-                        tracked.blocks.slots(tracked.saved, full),
-                    )
+                    Transfer(req_id, hashes[start:full], tracked.blocks.slots(start, full, states))
                 )
                 tracked.saved = full
-                tracked.saves_sent = True
+            tracked.saves_sent |= bool(late) or full > start
         return meta
+
+    def _state_offers(
+        self, scheduler_output: SchedulerOutput
+    ) -> dict[str, dict[int, dict[int, int]]]:
+        """The Mamba states vLLM committed this step, ``{request: {group: {position:
+        block id}}}``: those of tracked requests that end on a block boundary, past what
+        the request had from vLLM's cache or kvconn's hit, and within its hashes.
+
+        vLLM also names states that end mid-block (a prompt's partial tail) and the
+        states a finished load brought; kvconn keys whole blocks, and has those.
+        """
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) if block_state else None
+        out: dict[str, dict[int, dict[int, int]]] = {}
+        for req_id, entries in (offloads or {}).items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            count = len(self._hashes(tracked.request))
+            for group, block_id, tokens in entries:
+                position, rest = divmod(tokens, self._block_size)
+                position -= 1
+                if group in self._state_groups and not rest and tracked.hit_end <= position < count:
+                    out.setdefault(req_id, {}).setdefault(group, {})[position] = block_id
+        return out
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them once they are.
@@ -608,7 +647,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._load_failed.add(req_id)
             tracked = self._tracked.get(req_id)
             if tracked is not None:  # vLLM recomputes the whole request
-                tracked.saved = min(tracked.saved, tracked.computed)
+                tracked.saved = tracked.hit_end = min(tracked.saved, tracked.computed)
         invalid = connector_output.invalid_block_ids
         if not invalid:
             return
@@ -616,6 +655,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             first = tracked.blocks.first_in(self._group_ids[0], invalid, tracked.saved)
             if first is not None:
                 tracked.saved = first
+                tracked.hit_end = min(tracked.hit_end, first)
                 self._load_failed.add(req_id)
 
     def request_finished(
@@ -650,7 +690,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 del self._incoming[digest]
 
     def _block_table(self) -> BlockTable:
-        return BlockTable(self._group_ids, NULL_BLOCK_ID)
+        return BlockTable(self._group_ids, NULL_BLOCK_ID, self._state_groups)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -22,10 +22,12 @@ handed to this module as plain :class:`CacheGroup` data:
 
 Each vLLM KV-cache group becomes a kvconn layer group with the same index, so vLLM's
 per-group block ids are the group's slots; a sliding-window group carries its window
-in blocks. vLLM's hybrid allocator lays every group over the same buffer (a block id
-belongs to one group at a time), so each group's regions refer to a pool index of its
-own, over that same memory: kvconn checks regions for overlap within a pool, which
-still catches a wrong description inside a group.
+in blocks. A Mamba layer's state arrives as its raw bytes per block, ``[num_blocks, 1,
+1, state bytes]`` (``int8``, each block's row padded to vLLM's page size): one ``mamba``
+region per layer, in a group of window 1. vLLM's hybrid allocator lays every group over
+the same buffer (a block id belongs to one group at a time), so each group's regions
+refer to a pool index of its own, over that same memory: kvconn checks regions for
+overlap within a pool, which still catches a wrong description inside a group.
 
 The arrangement of bytes inside a block differs between attention backends, so a
 role's dtype names the element type, the backend and the block's shape: two backends
@@ -63,22 +65,28 @@ class LayerBytes:
     """What one layer's cache holds, as kvconn keys it.
 
     ``role``: ``kv`` (K and V by head; split into ``k`` and ``v`` for K/V-first
-    tensors), ``latent`` (MLA) or ``index_k`` (DeepSeek-V3.2's indexer). ``units``:
-    distinct slices across the TP group (total KV heads, or 1 for bytes every rank holds).
+    tensors), ``latent`` (MLA), ``index_k`` (DeepSeek-V3.2's indexer) or ``mamba`` (a
+    recurrent state). ``units``: distinct slices across the TP group (total KV heads, 1
+    for bytes every rank holds, the TP size for a state each rank holds a slice of).
+    ``tag``: what an element is, where the tensor's dtype does not say it (a Mamba
+    state arrives as raw bytes); ``None``: the dtype tag the layout is given.
     """
 
     role: str
     units: int
+    tag: str | None = None
 
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """One vLLM KV-cache group: its layers in vLLM's order, and its window in blocks
-    (sliding-window attention; ``None`` for full attention)."""
+    """One vLLM KV-cache group: its layers in vLLM's order, its window in blocks
+    (sliding-window attention, 1 for a Mamba state; ``None`` for full attention), and
+    its kind (``attention`` or ``mamba``)."""
 
     index: int
     layers: tuple[tuple[str, LayerBytes], ...]
     window: int | None = None
+    kind: str = "attention"
 
 
 def layer_index(name: str, position: int) -> int:
@@ -145,7 +153,7 @@ def kv_layout(
                 if by_head and shard_heads is not None:
                     dims[0] = what.units  # every TP size names the block alike
                 shape = "x".join(str(d) for d in dims)
-                dtype = f"{dtype_tags[name]}+{shape}"
+                dtype = f"{what.tag or dtype_tags[name]}+{shape}"
                 known = roles.setdefault(role, (what.units, dtype))
                 if known != (what.units, dtype):
                     raise LayoutError(
@@ -192,7 +200,9 @@ def _heads_dim(tensor: torch.Tensor, num_blocks: int, what: LayerBytes, tp_size:
 
 
 def _group_name(group: CacheGroup) -> str:
-    return "attention" if group.window is None else f"sliding{group.window}"
+    if group.kind != "attention" or group.window is None:
+        return group.kind
+    return f"sliding{group.window}"
 
 
 def _views(

@@ -16,10 +16,15 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
   hit of ``N`` blocks needs only the group's last ``cdiv(sliding_window - 1 +
   extra_retained_tokens, block_size)`` of them, exactly the blocks vLLM keeps real (the
   rest are its null block) when it allocates such a hit.
-* Mamba and linear-attention state (``MambaSpec``) is refused: it is one recurrent
-  state per request at a checkpoint, not KV per block, and vLLM 0.32 hands it to
-  connectors only as boundary-state offloads (``mamba_cache_mode="align"``,
-  ``take_pending_boundary_state_offloads``), which kvconn does not implement.
+* ``MambaSpec`` (Mamba, Gated DeltaNet and other linear-attention layers) in vLLM's
+  ``mamba_cache_mode="align"``: a block's page holds the recurrent state after that
+  block's last token (vLLM hands the connector each state as its raw bytes,
+  ``[blocks, 1, 1, state bytes]``). A hit of ``N`` blocks needs the state of block
+  ``N - 1`` only: window 1. The state is split over TP ranks (``units`` the TP size)
+  unless vLLM declares it ``tp_replicated`` (``units`` 1). Which block holds a
+  state is not positional in that mode: vLLM names each committed state's block in
+  ``boundary_state_offloads`` (the connector saves exactly those). Other cache modes
+  keep no per-block state to store, and are refused.
 * Any other spec (chunked local attention, sink or R-SWA attention, cross attention,
   DeepSeek-V4's compressed caches…) is refused: its blocks are not plain per-token KV
   with the rules above.
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["cache_groups", "dtype_tag", "window_blocks"]
+__all__ = ["cache_groups", "dtype_tag", "mamba_bytes", "window_blocks"]
 
 
 def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
@@ -68,20 +73,21 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                 f"kvconn's vLLM adapter does not support {what}={size} ({model}): context "
                 "parallelism splits each block's tokens across ranks"
             )
-    mamba = [
-        name
-        for group in kv_cache_config.kv_cache_groups
-        for name in group.layer_names
-        if isinstance(_layer_spec(group.kv_cache_spec, name), MambaSpec)
-    ]
-    if mamba:
-        raise ConfigError(
-            f"kvconn's vLLM adapter cannot store {model}: its Mamba/linear-attention layers "
-            f"({', '.join(mamba[:3])}{', …' if len(mamba) > 3 else ''}) keep a recurrent "
-            "state per request, not KV per block, and vLLM 0.32 hands that state to "
-            "connectors only as boundary-state offloads, which kvconn does not implement; "
-            "serve this model without the kvconn connector"
-        )
+    tp = parallel.tensor_parallel_size
+    # Every group's state, prefix-cacheable or not: a state kvconn did not store would
+    # make a hit of the attention pages alone restore a request without it.
+    cacheable = set(kv_cache_config.prefix_cacheable_group_ids)
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            spec = _layer_spec(group.kv_cache_spec, name)
+            if isinstance(spec, MambaSpec):
+                mamba_bytes(spec, name, model, tp)
+                if not vllm_config.cache_config.enable_prefix_caching or index not in cacheable:
+                    raise ConfigError(
+                        f"kvconn's vLLM adapter stores {model}'s Mamba/linear-attention "
+                        f"state ({name}) only with vLLM's prefix caching on: vLLM names "
+                        "the blocks holding a state to a connector only then"
+                    )
     hash_block_size = kv_cache_config.hash_block_size or block_size
     total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     groups = []
@@ -95,10 +101,18 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                 f"vLLM hashes every {hash_block_size} tokens"
             )
         layers = tuple(
-            (name, layer_bytes(_layer_spec(group.kv_cache_spec, name), name, total_kv_heads, model))
+            (
+                name,
+                layer_bytes(
+                    _layer_spec(group.kv_cache_spec, name), name, total_kv_heads, model, tp
+                ),
+            )
             for name in group.layer_names
         )
         spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            groups.append(CacheGroup(index, layers, window=1, kind="mamba"))
+            continue
         window = window_blocks(spec, block_size) if isinstance(spec, SlidingWindowSpec) else None
         groups.append(CacheGroup(index, layers, window))
     if not groups:
@@ -106,9 +120,13 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
     return tuple(groups)
 
 
-def layer_bytes(spec: KVCacheSpec, layer: str, total_kv_heads: int, model: str) -> LayerBytes:
+def layer_bytes(
+    spec: KVCacheSpec, layer: str, total_kv_heads: int, model: str, tp_size: int = 1
+) -> LayerBytes:
     """The role and TP units of one layer's cache, from its vLLM spec."""
     kind = type(spec)
+    if isinstance(spec, MambaSpec):
+        return mamba_bytes(spec, layer, model, tp_size)
     if kind is MLAAttentionSpec:
         assert isinstance(spec, MLAAttentionSpec)
         if spec.max_tp_shards not in (None, 1) or spec.tokens_per_state != 1:
@@ -130,6 +148,36 @@ def layer_bytes(spec: KVCacheSpec, layer: str, total_kv_heads: int, model: str) 
         f"kvconn's vLLM adapter does not support {kind.__name__} layers ({model}: {layer}); "
         "it stores full attention, sliding-window attention and MLA caches"
     )
+
+
+def mamba_bytes(spec: MambaSpec, layer: str, model: str, tp_size: int) -> LayerBytes:
+    """A Mamba layer's state page: role ``mamba``, named by what the bytes are.
+
+    vLLM hands the state as raw bytes, so the role's dtype cannot come from the tensor:
+    it names each state's element type and shape (the conv state's shape also says its
+    layout, ``(kernel - 1, dim)`` or ``(dim, kernel - 1)``) and the kernel family that
+    wrote it.
+    """
+    if spec.mamba_cache_mode != "align":
+        raise ConfigError(
+            f"kvconn's vLLM adapter stores {model}'s Mamba/linear-attention state "
+            f"({layer}) only with mamba_cache_mode='align', where vLLM keeps a state "
+            f"per block and names the blocks that hold one; it is "
+            f"{spec.mamba_cache_mode!r}: start vLLM with mamba_cache_mode='align' "
+            "(--mamba-cache-mode align) and prefix caching on"
+        )
+    if spec.num_speculative_blocks:
+        raise ConfigError(
+            f"kvconn's vLLM adapter does not store {model}'s Mamba state ({layer}) with "
+            f"speculative decoding ({spec.num_speculative_blocks} speculative state "
+            "blocks, which vLLM relocates in place): serve it without a draft model"
+        )
+    states = "+".join(
+        f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]"
+        for shape, dtype in zip(spec.shapes, spec.dtypes)
+    )
+    units = 1 if spec.tp_replicated else tp_size
+    return LayerBytes("mamba", units, tag=f"{states}+{spec.mamba_type.name}")
 
 
 def window_blocks(spec: SlidingWindowSpec, block_size: int) -> int:

@@ -169,17 +169,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_parallel_size=args.pp,
         # a worker process per stage, as at TP > 1 (vLLM's choice there too)
         distributed_executor_backend="mp" if args.pp > 1 else None,
-        dtype="float32",
+        dtype=args.dtype,  # CPU linear attention (GDN) needs bfloat16
         block_size=args.block_size or None,  # 0: vLLM's choice (CPU MLA forces 16)
         # vLLM prefers its AMX MLA backend where the CPU has AMX, which needs bf16
         # weights; the reference CPU_MLA backend runs float32 on any x86 CPU
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
-        max_model_len=512,
+        max_model_len=max(512, args.prompt_tokens + 64),
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_blocks or None,  # few blocks: reuse, preemption
         # off unless asked: every cached token must come from kvconn
         enable_prefix_caching=args.prefix_caching,
         enforce_eager=True,  # no torch.compile: start-up in seconds, not a minute
+        mamba_cache_mode=args.mamba_cache_mode,
+        # chunks of one block: vLLM's CPU kernels keep a Mamba state only at chunk ends
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args, kvconn),
     )
@@ -195,6 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for n in range(1, max([args.generations, *markers]) + 1):
         if n > 1 and args.connector == "kvconn":
             settle(args.store)
+        if n > 1 and args.prefix_caching and args.reset_prefix_cache:
+            llm.reset_prefix_cache()  # what vLLM had, kvconn must bring
         for name, text in markers.get(n, []):
             Path(args.store, name).write_text(text)  # read by kvconn_test_drop
         started = time.monotonic()
@@ -308,6 +313,14 @@ def main() -> None:
     parser.add_argument("--workload", choices=("repeat", "concurrent"), default="repeat")
     parser.add_argument("--stripe", action="store_true", help="kvconn's stripe_reads")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache")
+    parser.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="empty vLLM's prefix cache before each generation after the first",
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mamba-cache-mode", default="none", help="vLLM's: none or align")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--own-tokens", type=int, default=36)
     parser.add_argument("--max-tokens", type=int, default=24)

@@ -38,3 +38,21 @@ def test_the_first_invalid_block_is_found_below_the_saved_count_only():
     table.replace(([5, 6, 7, 8],))
     assert table.first_in(0, {7, 8}, 4) == 2
     assert table.first_in(0, {7, 8}, 2) is None
+
+
+def test_a_state_groups_blocks_are_slots_only_where_vllm_names_a_state():
+    """vLLM's Mamba table after three blocks in align mode: interior states nulled, and
+    block 9 at position 2 a running state, not the one after block 2. A save takes the
+    states vLLM names ({position: block}); elsewhere the state group has no slot."""
+    table = BlockTable([0, 1], state_groups=[0])
+    table.replace(([0, 4, 9], [2, 3, 5]))
+    assert table.slots(0, 3) == {0: [NO_SLOT] * 3, 1: [2, 3, 5]}
+    assert table.slots(0, 3, {0: {1: 4}}) == {0: [NO_SLOT, 4, NO_SLOT], 1: [2, 3, 5]}
+    assert table.slots(2, 3, {0: {1: 4}}) == {0: [NO_SLOT], 1: [5]}  # out of range
+
+
+def test_a_load_puts_the_state_in_the_block_vllm_allocated_at_the_hits_end():
+    table = BlockTable([0, 1], state_groups=[0])
+    table.replace(([0, 0, 6], [2, 3, 5]))  # a 3-block hit: nulls, then the resume block
+    assert table.slots(0, 3, table.resume_states(2)) == {0: [NO_SLOT, NO_SLOT, 6], 1: [2, 3, 5]}
+    assert table.resume_states(3) == {}  # past the table: nothing to name

@@ -7,7 +7,10 @@ over an LMDB store in a temporary directory.
 * Gemma-3 at TP=1 and TP=2 with vLLM's hybrid KV-cache manager on: a sliding-window
   group and a full-attention group;
 * Llama with two pipeline stages (PP=2, one layer each) at TP=1;
-* Qwen3-Next (a linear-attention layer): refused at start-up.
+* Qwen3-Next (a Gated DeltaNet linear-attention layer and a full-attention layer) at
+  TP=1 and TP=2, bfloat16, vLLM's ``mamba_cache_mode="align"`` with its prefix cache
+  on and emptied before each later generation (vLLM names the blocks that hold a state
+  only with its cache on), and refused at start-up in vLLM's default cache mode.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
 per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
@@ -54,10 +57,11 @@ class Case:
     #: run's own first generation.
     reference: str | None = None
     pp: int = 1  # pipeline stages
+    prompt_tokens: int = PROMPT_TOKENS
 
     @property
     def full_blocks(self) -> int:
-        return PROMPT_TOKENS // self.block_size
+        return self.prompt_tokens // self.block_size
 
 
 MLA = ("--block-size", "0", "--attention-backend", "CPU_MLA")  # vLLM forces 16-token blocks
@@ -124,6 +128,51 @@ CASES = {
         ),
     ),
 }
+#: Qwen3-Next in 256-token blocks (vLLM's choice, so that an attention block's page is as
+#: large as a state's), prefilled one block per step: vLLM's CPU kernels write a state
+#: only at a step's end. 700 tokens: two full blocks; vLLM keeps the state after block 1
+#: (512 tokens), not after block 0 (its first step's).
+QWEN3_NEXT = (
+    "--dtype",
+    "bfloat16",
+    "--block-size",
+    "0",
+    "--prefix-caching",
+    "--reset-prefix-cache",
+    "--mamba-cache-mode",
+    "align",
+    "--max-num-batched-tokens",
+    "256",
+    "--num-blocks",
+    "64",
+)
+#: Group 0: the linear-attention layer's state (layer 0), group 1: full attention.
+MAMBA = {
+    "qwen3-next-tp1": Case(
+        "qwen3-next",
+        1,
+        {"lg0/replicated": 1, "lg1/w1r0": 1},
+        256,
+        (
+            *QWEN3_NEXT,
+            "--backend",
+            "lmdb-drop-on-load",
+            "--marker",
+            "3:drop-at-lookup:0:last",
+            "--marker",
+            "4:drop-next-load",
+        ),
+        prompt_tokens=700,
+    ),
+    "qwen3-next-tp2": Case(
+        "qwen3-next",
+        2,
+        {"lg0/w2r0": 1, "lg0/w2r1": 1, "lg1/w2r0": 1, "lg1/w2r1": 1},
+        256,
+        QWEN3_NEXT,
+        prompt_tokens=700,
+    ),
+}
 #: The same engines with vLLM's own reference connector (files per layer) instead.
 REFERENCES = {
     f"{name}-example": Case(
@@ -145,7 +194,7 @@ def run_case(model: Path, store: Path, case: Case) -> tuple[dict[str, Any], str]
         "--pp",
         str(case.pp),
         "--prompt-tokens",
-        str(PROMPT_TOKENS),
+        str(case.prompt_tokens),
         *case.args,
         tp=case.tp,
         pp=case.pp,
@@ -178,7 +227,7 @@ def engine_run(
 
     def run(name: str) -> EngineRun:
         if name not in runs:
-            case = CASES.get(name) or REFERENCES[name]
+            case = CASES.get(name) or MAMBA.get(name) or REFERENCES[name]
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
             result, log = run_case(tiny_model(case.model), store, case)
             runs[name] = (store, result, log)
@@ -341,11 +390,61 @@ def test_a_stage_whose_page_is_evicted_between_lookup_and_load_has_vllm_recomput
     assert all(dict(pages) == CASES["llama-2kv-pp2"].pages for pages in blocks.values()), blocks
 
 
-def test_a_model_with_linear_attention_state_is_refused_at_start_up(
+@pytest.mark.parametrize("name", list(MAMBA))
+def test_a_linear_attention_models_hit_restores_its_state_with_identical_logprobs(
+    name: str, engine_run: Callable[[str], EngineRun]
+) -> None:
+    """The second generation, vLLM's own cache emptied, loads both blocks' attention
+    pages and the state after block 1 from kvconn. Each rank's state slice is a page of
+    its own; block 0, whose state vLLM did not keep, has attention pages only."""
+    case = MAMBA[name]
+    store, result, _ = engine_run(name)
+    first, second = result["runs"][:2]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == 2 * 256
+    assert second["token_ids"] == first["token_ids"]
+    assert second["logprobs"] == first["logprobs"]
+    attention = {k: n for k, n in case.pages.items() if k.startswith("lg1/")}
+    assert sorted(map(dict, pages_per_block(store).values()), key=len) == [attention, case.pages]
+
+
+def test_a_hit_whose_last_block_lost_its_state_is_a_miss_not_an_attention_only_hit(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """The third run's lookup finds the state after block 1 deleted: both blocks'
+    attention pages are there, but no prefix ends on a stored state, so the request is
+    computed whole (an attention-only hit would resume from a state that is not the
+    prompt's). The run saves the state again."""
+    store, result, log = engine_run("qwen3-next-tp1")
+    first, _, third, _ = result["runs"]
+    assert not (store / "drop-at-lookup").exists()  # the backend did delete the state
+    assert third["num_cached_tokens"] == 0
+    assert third["token_ids"] == first["token_ids"]
+    assert third["logprobs"] == first["logprobs"]
+    assert log.count("did not load") == 1  # the fourth run's, not this one's
+
+
+def test_a_linear_attention_models_failed_load_is_recomputed_and_saved_again(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    store, result, log = engine_run("qwen3-next-tp1")
+    first, *_, fourth = result["runs"]
+    assert not (store / "drop-next-load").exists()
+    assert "did not load; vLLM recomputes the request" in log
+    assert fourth["token_ids"] == first["token_ids"]
+    assert fourth["logprobs"] == first["logprobs"]
+    pages = sorted(map(dict, pages_per_block(store).values()), key=len)
+    assert pages == [{"lg1/w1r0": 1}, MAMBA["qwen3-next-tp1"].pages]
+
+
+def test_a_linear_attention_model_outside_vllms_align_cache_mode_is_refused_at_start_up(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    done = run_script("--model", str(tiny_model("qwen3-next")), "--store", str(tmp_path / "s"))
+    """In vLLM's default cache mode a Mamba group keeps no state per block, so kvconn
+    could store only attention pages, whose hit would skip the state: refused, naming
+    the mode that works."""
+    model = str(tiny_model("qwen3-next"))
+    done = run_script("--model", model, "--store", str(tmp_path / "s"), "--dtype", "bfloat16")
     log = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "cannot store" in log and "model.layers.0.linear_attn" in log, log[-6000:]
-    assert "Mamba/linear-attention layers" in log and "recurrent state per request" in log
+    assert "model.layers.0.linear_attn" in log and "mamba_cache_mode='align'" in log, log[-6000:]

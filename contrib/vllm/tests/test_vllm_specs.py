@@ -188,32 +188,109 @@ def test_a_sliding_window_needs_exactly_the_blocks_vllm_keeps_real_after_a_hit(
         assert real == min(n, window_blocks(spec, block_size)) or (window == 1 and real == 0)
 
 
+def kv_cache_config(groups: list[KVCacheGroupSpec]) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
 def connector(config: VllmConfig, groups: list[KVCacheGroupSpec]) -> KvconnConnector:
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    return KvconnConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    return KvconnConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(groups))
 
 
-def test_a_model_with_mamba_state_is_refused_naming_the_model_and_the_reason(
-    tiny_model: Callable[[str], Path],
-) -> None:
-    """Qwen3-Next's Gated DeltaNet layer, as vLLM describes it on this CPU."""
-    config = engine_config(tiny_model("qwen3-next"))
-    mamba = MambaSpec(
-        block_size=512,
+def qwen3_next_groups(**mamba: Any) -> list[KVCacheGroupSpec]:
+    """Qwen3-Next's Gated DeltaNet and attention layers, as vLLM describes them here."""
+    state = MambaSpec(
+        block_size=256,
         shapes=((3, 512), (4, 64, 64)),
-        dtypes=(torch.float32, torch.float32),
+        dtypes=(torch.bfloat16, torch.float32),
         page_size_padded=131072,
+        **({"mamba_cache_mode": "align"} | mamba),
     )
-    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    groups = [
-        KVCacheGroupSpec(["model.layers.0.linear_attn"], mamba),
+    full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    return [
+        KVCacheGroupSpec(["model.layers.0.linear_attn"], state),
         KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
     ]
+
+
+def mamba_config(model: Path, tp: int = 1, prefix_caching: bool = True) -> VllmConfig:
+    config = engine_config(model)
+    config.cache_config.block_size = 256
+    config.cache_config.enable_prefix_caching = prefix_caching
+    config.parallel_config.tensor_parallel_size = tp
+    return config
+
+
+def test_a_mamba_state_in_align_mode_is_a_window_1_group_keyed_by_what_its_bytes_are(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """A hit needs the state after its last block only; each TP rank's state slice is
+    its own page, and the role names the states' dtypes, shapes and kernel family (the
+    tensor vLLM hands over is raw bytes)."""
+    groups = cache_groups(
+        mamba_config(tiny_model("qwen3-next"), tp=2), kv_cache_config(qwen3_next_groups())
+    )
+    state, attention = groups
+    assert (state.index, state.window, state.kind) == (0, 1, "mamba")
+    ((name, what),) = state.layers
+    assert name == "model.layers.0.linear_attn" and (what.role, what.units) == ("mamba", 2)
+    assert what.tag == "bfloat16[3x512]+float32[4x64x64]+MAMBA2"
+    assert (attention.window, attention.kind) == (None, "attention")
+
+
+def test_a_mamba_state_page_is_the_states_bytes_of_vllms_own_allocation(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """vLLM hands a Mamba layer's cache as raw bytes, each block's row padded to the
+    attention page: the page is the state's 68,608 bytes, not the padding."""
+    config = mamba_config(tiny_model("qwen3-next"))
+    specs = {g.layer_names[0]: g.kv_cache_spec for g in qwen3_next_groups()}
+    kv_cache_config, caches = allocate(config, specs, "CPU_ATTN")
+    layout = derive(config, kv_cache_config, caches, 1)
+    state, attention = layout.groups
+    ((region,),) = [state.regions]
+    assert (state.window, state.name, region.role, region.layer) == (1, "mamba", "mamba", 0)
+    assert (region.size, region.stride) == (3 * 512 * 2 + 4 * 64 * 64 * 4, 131072)
+    assert layout.role("mamba").dtype == "bfloat16[3x512]+float32[4x64x64]+MAMBA2+1x1x68608"
+    assert attention.window is None and attention.regions[0].role == "kv"
+
+
+def test_a_state_every_tp_rank_holds_whole_is_stored_once(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = mamba_config(tiny_model("qwen3-next"), tp=2)
+    state, _ = cache_groups(config, kv_cache_config(qwen3_next_groups(tp_replicated=True)))
+    assert state.layers[0][1].units == 1
+
+
+@pytest.mark.parametrize(
+    ("mamba", "prefix_caching", "reason"),
+    [
+        ({"mamba_cache_mode": "none"}, True, "only with mamba_cache_mode='align'"),
+        ({}, False, "only with vLLM's prefix caching on"),
+        ({"num_speculative_blocks": 2}, True, "with speculative decoding"),
+    ],
+)
+def test_a_mamba_state_kvconn_cannot_key_per_block_is_refused_naming_the_layer(
+    tiny_model: Callable[[str], Path], mamba: dict[str, Any], prefix_caching: bool, reason: str
+) -> None:
+    """Refused rather than stored without its state: an attention-only hit would resume
+    a request from a state that is not its prompt's."""
+    config = mamba_config(tiny_model("qwen3-next"), prefix_caching=prefix_caching)
     with pytest.raises(ConfigError) as error:
-        connector(config, groups)
+        connector(config, qwen3_next_groups(**mamba))
     message = str(error.value)
     assert str(tiny_model("qwen3-next")) in message and "model.layers.0.linear_attn" in message
-    assert "recurrent state per request, not KV per block" in message
+    assert reason in message
+
+
+def test_a_mamba_group_vllm_does_not_prefix_cache_is_refused(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = mamba_config(tiny_model("qwen3-next"))
+    cfg = kv_cache_config(qwen3_next_groups())
+    cfg.__dict__["prefix_cacheable_group_ids"] = (1,)  # vLLM's cached_property
+    with pytest.raises(ConfigError, match="only with vLLM's prefix caching on"):
+        cache_groups(config, cfg)
 
 
 def test_layers_of_an_unsupported_kind_are_refused(tiny_model: Callable[[str], Path]) -> None:

@@ -13,7 +13,8 @@ in the store directory (and disarmed when used):
   the first page it asks for of the page kind that holds exactly those layers (found
   from the stored layout manifests) -- for a sliding-window group, the page of the
   prompt's first block, which falls outside the window of a longer hit; under pipeline
-  parallelism, a page only the stage holding those layers has.
+  parallelism, a page only the stage holding those layers has. ``0,2:last`` deletes
+  the last page of that kind it asks for instead (a Mamba state at the hit's end).
 """
 
 from __future__ import annotations
@@ -68,14 +69,15 @@ class DropOnLoadBackend(LmdbBackend):
     def _exists(self, keys: list[str]) -> Sequence[bool]:
         marker = self.path / LOOKUP_MARKER
         if marker.exists():
-            layers = {int(n) for n in marker.read_text().split(",")}
-            kind = self._kind_of(layers)
-            first = next(
-                (k for k in keys if (p := parse_key(k)) and (p.group, p.fingerprint) == kind),
+            numbers, _, which = marker.read_text().partition(":")
+            kind = self._kind_of({int(n) for n in numbers.split(",")})
+            ordered = reversed(keys) if which == "last" else iter(keys)
+            chosen = next(
+                (k for k in ordered if (p := parse_key(k)) and (p.group, p.fingerprint) == kind),
                 None,
             )
-            if first is not None and _take(marker):
-                self._delete([first])
+            if chosen is not None and _take(marker):
+                self._delete([chosen])
         return super()._exists(keys)
 
     def _kind_of(self, layers: set[int]) -> tuple[int, str] | None:
