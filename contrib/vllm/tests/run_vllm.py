@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # vLLM prefers its AMX MLA backend where the CPU has AMX, which needs bf16
         # weights; the reference CPU_MLA backend runs float32 on any x86 CPU
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
-        max_model_len=max(512, args.prompt_tokens + 64),
+        max_model_len=max(512, args.prompt_tokens + args.own_tokens + args.max_tokens + 64),
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_blocks or None,  # few blocks: reuse, preemption
         # off unless asked: every cached token must come from kvconn
@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mamba_cache_mode=args.mamba_cache_mode,
         # chunks of one block: vLLM's CPU kernels keep a Mamba state only at chunk ends
         max_num_batched_tokens=args.max_num_batched_tokens or None,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,  # per request
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args, kvconn),
     )
@@ -321,6 +322,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--mamba-cache-mode", default="none", help="vLLM's: none or align")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--own-tokens", type=int, default=36)
     parser.add_argument("--max-tokens", type=int, default=24)

@@ -11,6 +11,10 @@
   vLLM's cache, and load only their own blocks.
 * A store that hangs on every call for the length of one generation: the generation
   takes seconds, not the stall; the saves land once the store answers again.
+* Eight concurrent requests of a linear-attention model (Qwen3-Next, vLLM's
+  ``mamba_cache_mode="align"``) sharing a two-block prefix, over the slow store: a
+  fresh engine then restores each request's own state after its third block, and
+  generates what the first engine did.
 
 Each engine runs in its own process (``run_vllm.py``), once per session.
 """
@@ -29,20 +33,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SHARED_TOKENS = 96  # three blocks of 32 shared by every request
 OWN_TOKENS = 36  # one more full block of each request's own, and a partial one
 HIT_TOKENS = 128  # the four full blocks; the partial one is never stored
-TOGETHER = (
-    "--workload",
-    "concurrent",
-    "--requests",
-    "8",
-    "--max-num-seqs",
-    "8",
-    "--prompt-tokens",
-    str(SHARED_TOKENS),
-    "--own-tokens",
-    str(OWN_TOKENS),
-    "--max-tokens",
-    "40",  # 132 + 40 tokens: a sixth block while decoding
-)
+
+
+def together(shared: int, own: int, max_tokens: int) -> tuple[str, ...]:
+    """Eight requests at once, sharing ``shared`` prompt tokens, ``own`` more each."""
+    return (
+        *("--workload", "concurrent", "--requests", "8", "--max-num-seqs", "8"),
+        *("--prompt-tokens", str(shared), "--own-tokens", str(own)),
+        *("--max-tokens", str(max_tokens)),
+    )
+
+
+TOGETHER = together(SHARED_TOKENS, OWN_TOKENS, 40)  # 132 + 40 tokens: a sixth block
 # each request ends needing 6 blocks of 32 tokens: vLLM preempts some
 CONCURRENT = (*TOGETHER, "--num-blocks", "17")
 
@@ -51,19 +53,76 @@ def engine(model: Path, store: Path, *args: str) -> dict[str, Any]:
     return run_engine("--model", str(model), "--store", str(store), *args)[0]
 
 
+def stored_and_read_back(model: Path, root: Path, *args: str) -> dict[str, dict[str, Any]]:
+    """No connector (the reference), then two engines over one store whose every put
+    takes 0.3 s: the first stores, the second (fresh) reads back."""
+    runs = {"reference": engine(model, root / "none", *args, "--connector", "none")}
+    for name in ("first", "second"):
+        runs[name] = engine(model, root / "store", *args, "--backend", "lmdb-slow")
+    return runs
+
+
 @pytest.fixture(scope="module")
 def concurrent_runs(
     tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, dict[str, Any]]:
     model = tiny_model("llama-2kv")
     root = tmp_path_factory.mktemp("concurrent")
-    reference = engine(model, root / "none", *CONCURRENT, "--connector", "none")
-    store = root / "store"
-    first = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
-    second = engine(model, store, *CONCURRENT, "--backend", "lmdb-slow")
+    runs = stored_and_read_back(model, root, *CONCURRENT)
     # reads 0.3 s slower: the first load is in flight while the others are admitted
-    shared = engine(model, store, *TOGETHER, "--prefix-caching", "--backend", "lmdb-slow-read")
-    return {"reference": reference, "first": first, "second": second, "shared": shared}
+    runs["shared"] = engine(
+        model, root / "store", *TOGETHER, "--prefix-caching", "--backend", "lmdb-slow-read"
+    )
+    return runs
+
+
+#: Qwen3-Next in vLLM's align mode, 256-token blocks, prefill chunks of one block (vLLM's
+#: CPU kernels keep a state only at a chunk's end), four requests' chunks a step (so
+#: vLLM names several requests' states in one step); two shared blocks, and one of each
+#: request's own plus a partial one.
+MAMBA_TOGETHER = (
+    *together(512, 300, 8),
+    "--dtype",
+    "bfloat16",
+    "--block-size",
+    "0",
+    "--prefix-caching",
+    "--mamba-cache-mode",
+    "align",
+    "--max-num-batched-tokens",
+    "1024",
+    "--long-prefill-token-threshold",
+    "256",
+    "--num-blocks",
+    "48",
+)
+
+
+@pytest.fixture(scope="module")
+def mamba_runs(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("mamba")
+    return stored_and_read_back(tiny_model("qwen3-next"), root, *MAMBA_TOGETHER)
+
+
+def test_eight_concurrent_linear_attention_requests_restore_each_its_own_state(
+    mamba_runs: dict[str, dict[str, Any]],
+) -> None:
+    """Each request's state after its third block is its own (its third block is its
+    own tokens), saved from the block vLLM named while its saves were in flight: a
+    state saved from another request's block, or from a block reused before the save
+    read it, would take the second engine's request another way."""
+    reference, first, second = (mamba_runs[k] for k in ("reference", "first", "second"))
+    assert [r["token_ids"] for r in first["requests"]] == [
+        r["token_ids"] for r in reference["requests"]
+    ]
+    assert [r["num_cached_tokens"] for r in second["requests"]] == [3 * 256] * 8
+    for a, b in zip(first["requests"], second["requests"]):
+        assert b["token_ids"] == a["token_ids"]
+        for step_a, step_b in zip(a["logprobs"], b["logprobs"]):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-3 for t in step_a)
 
 
 def test_eight_concurrent_requests_with_saves_in_flight_produce_the_tokens_of_no_connector(

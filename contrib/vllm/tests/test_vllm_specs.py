@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -281,6 +282,22 @@ def test_a_mamba_state_kvconn_cannot_key_per_block_is_refused_naming_the_layer(
     message = str(error.value)
     assert str(tiny_model("qwen3-next")) in message and "model.layers.0.linear_attn" in message
     assert reason in message
+
+
+def test_a_group_mixing_state_and_attention_layers_is_refused(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """One block table for both: a window of 1 would drop the attention layers' pages."""
+    state, attention = (g.kv_cache_spec for g in qwen3_next_groups())
+    names = ["model.layers.0.linear_attn", "model.layers.1.self_attn.attn"]
+    mixed = UniformTypeKVCacheSpecs(
+        block_size=256, kv_cache_specs=dict(zip(names, (state, attention)))
+    )
+    with pytest.raises(ConfigError, match="mixes Mamba state and attention layers"):
+        cache_groups(
+            mamba_config(tiny_model("qwen3-next")),
+            kv_cache_config([KVCacheGroupSpec(names, mixed)]),
+        )
 
 
 def test_a_mamba_group_vllm_does_not_prefix_cache_is_refused(
