@@ -595,9 +595,12 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             if req_id in computed:
                 after = computed[req_id] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
                 full = max(start, min(after // self._block_size, len(hashes), len(tracked.blocks)))
-            # a state named for a block saved in an earlier step: a save of its own
-            late = sorted({i for named in states.values() for i in named if i < start})
-            for i in late:
+            # a state named for a block whose pages are not saved in this step (saved in
+            # an earlier one): a save of its own
+            apart = sorted(
+                {i for named in states.values() for i in named} - set(range(start, full))
+            )
+            for i in apart:
                 only = {g: {i: named[i]} for g, named in states.items() if i in named}
                 slots = tracked.blocks.slots(i, i + 1, only)
                 slots = {g: row if g in only else [NO_SLOT] for g, row in slots.items()}
@@ -607,7 +610,7 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     Transfer(req_id, hashes[start:full], tracked.blocks.slots(start, full, states))
                 )
                 tracked.saved = full
-            tracked.saves_sent |= bool(late) or full > start
+            tracked.saves_sent |= bool(apart) or full > start
         return meta
 
     def _state_offers(

@@ -110,6 +110,14 @@ def test_states_ending_mid_block_or_in_a_group_kvconn_does_not_store_are_not_sav
     assert saves(conn, req, meta) == [([0, 1], {0: [1, NO_SLOT], 1: [2, 4]})]
 
 
+def test_a_state_named_before_its_blocks_attention_pages_are_saved_is_saved_on_its_own(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    conn, req = admitted(tiny_model, ([1, 3], [2, 4]))
+    meta = step(conn, {"r": (0, 256)}, {"r": [(0, 3, 512)]})
+    assert saves(conn, req, meta) == [([1], {0: [3], 1: [NO_SLOT]}), ([0], {0: [NO_SLOT], 1: [2]})]
+
+
 def test_a_state_named_after_its_blocks_were_saved_is_saved_on_its_own(
     tiny_model: Callable[[str], Path],
 ) -> None:
