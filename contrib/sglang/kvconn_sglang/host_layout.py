@@ -7,7 +7,8 @@ stored page holds the same bytes SGLang's file backend would write for that layo
 
 Each host pool is a layer group of its own, over a pool tensor of its own: the KV pool
 (the anchor) is group 0, and each side pool SGLang moves through its v2 calls is the next
-group (DeepSeek-V3.2's DSA indexer; a hybrid model's sliding-window K/V, ``swa``).
+group (DeepSeek-V3.2's DSA indexer or MiniMax-M3's index keys, ``indexer``; a hybrid
+model's sliding-window K/V, ``swa``).
 SGLang transfers each pool by its own call and reports each pool's pages separately, so
 each call moves exactly one group; the hit is still one lookup over every group. The
 indexer moves with the KV pool's host indices; the SWA pool has host slots of its own
@@ -63,6 +64,13 @@ class HostPoolShape:
     ``own_slots``: SGLang allocates the pool's host slots itself (SWA, Mamba) instead of
     moving it with the KV pool's host indices, so it may hold another number of pages.
 
+    ``"index_k"`` is MiniMax-M3's sparse index keys (``MHATokenToKOnlyPoolHost``): one
+    key vector per token and layer of the sparse layers, a single head SGLang's index
+    projection computes whole on every rank, so identical on every rank; its buffer is
+    shaped like an MLA latent's (``[layers, tokens, 1, dim]`` in ``layer_first``,
+    ``[tokens, layers, 1, dim]`` in ``page_first``, ``[pages, layers, page_size, 1, dim]``
+    in ``page_first_direct``) and moves with the KV pool's host indices.
+
     ``"mamba"`` is a hybrid linear-attention model's recurrent state: one slot per
     checkpoint (``page_size`` 1: the state at the end of a KV page), held in several
     buffers, ``components`` (name, tensor) in the order of SGLang's flat page, each
@@ -84,6 +92,10 @@ class HostPoolShape:
     start_layer: int = 0
     own_slots: bool = False
     components: tuple[tuple[str, torch.Tensor], ...] = ()
+    #: Whether the pool's layers are numbered as the model's (``start_layer`` onwards), so
+    #: that a pipeline stage's pages are keyed apart from another's. SGLang numbers the
+    #: layers of an SWA, Mamba or MiniMax index-key pool from 0 on every stage.
+    model_layers: bool = True
 
     @property
     def stored_components(self) -> tuple[tuple[str, torch.Tensor], ...]:
@@ -287,6 +299,13 @@ def _components(
         ]
     elif pool.kind == "mla":
         components = [(declare(Role(f"{named}latent", 1, dtype)), buffer)]
+    elif pool.kind == "index_k":  # MiniMax-M3's index keys: one head, whole on every rank
+        if pool.head_num != 1:
+            raise LayoutError(
+                f"host pool {pool.name!r}: an index-key pool holds one head, this one "
+                f"{pool.head_num}"
+            )
+        components = [(declare(Role(pool.name.replace("indexer", "index_k"), 1, dtype)), buffer)]
     else:
         raise LayoutError(f"unknown host pool kind {pool.kind!r}")
     out: list[tuple[str, _Views]] = []

@@ -26,7 +26,9 @@ one :class:`PoolTransfer` per pool), each a layer group of its own
 (:mod:`kvconn_sglang.host_layout`), registered with ``register_mem_host_pool_v2``:
 
 * DeepSeek-V3.2's DSA indexer is stored once for the group like the MLA latent, and a
-  hit needs it for every page;
+  hit needs it for every page; so is MiniMax-M3's sparse index keys' pool
+  (``MHATokenToKOnlyPoolHost``: one head every rank computes whole), beside each rank's
+  own K/V pages;
 * a hybrid sliding-window model's SWA K/V (gpt-oss, Gemma, MiMo: SGLang's ``SWAKVPool``)
   is keyed by head like the KV pool. SGLang keeps it, on host slots of its own, only for
   the last pages of each node, and resumes a request from the window that ends its hit
@@ -88,7 +90,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost, MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvconn.backend import Backend
@@ -170,14 +172,14 @@ class KvconnHiCacheStorage(HiCacheStorage):
         name = str(host_pool_name)
         if name != PoolName.KV:
             shape = _side_pool_shape(host_pool, name)
-            if shape.own_slots and self.storage_config.pp_size > 1:
+            if not shape.model_layers and self.storage_config.pp_size > 1:
                 raise ConfigError(
                     f"the kvconn HiCache backend cannot store the {name!r} pool under "
                     f"pipeline parallelism (pp_size={self.storage_config.pp_size}): "
                     "its host pool does not carry the model's layer numbers (SGLang's "
-                    "SWAKVPool numbers each pool's layers from 0 on every stage; a Mamba "
-                    "pool has none), so two stages' pages would share keys; run without "
-                    "L3 storage or at pp_size=1"
+                    "SWAKVPool and MiniMax-M3's index-key pool number their layers from 0 "
+                    "on every stage; a Mamba pool has none), so two stages' pages would "
+                    "share keys; run without L3 storage or at pp_size=1"
                 )
             with self._attach_lock:
                 if self.connector is not None and self._used:
@@ -764,16 +766,7 @@ def _shape_of(pool: Any) -> HostPoolShape:
     buffer = pool.kv_buffer
     if not isinstance(buffer, torch.Tensor):
         raise LayoutError(f"{type(pool).__name__} has no single kv_buffer tensor")
-    return HostPoolShape(
-        kind=kind,
-        layout=pool.layout,
-        page_size=pool.page_size,
-        layer_num=pool.layer_num,
-        size=pool.size,
-        kv_buffer=buffer,
-        head_num=heads,
-        start_layer=pool.start_layer,
-    )
+    return _host_shape(pool, kind, buffer, head_num=heads)
 
 
 #: Why each side pool SGLang may register (``PoolName``) is not stored.
@@ -789,9 +782,9 @@ _SIDE_POOLS_REFUSED = {
 
 
 def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
-    """A side pool kvconn stores per page (DeepSeek-V3.2's DSA indexer, a hybrid model's
-    sliding-window K/V or Mamba state, a draft model's pools), or a :class:`ConfigError`
-    naming the pool and why it is not stored.
+    """A side pool kvconn stores per page (DeepSeek-V3.2's DSA indexer, MiniMax-M3's
+    index keys, a hybrid model's sliding-window K/V or Mamba state, a draft model's
+    pools), or a :class:`ConfigError` naming the pool and why it is not stored.
 
     The DSA index keys are computed from a projection every rank holds whole, so every
     rank's indexer pool holds the same bytes: stored once for the group, like the MLA
@@ -805,23 +798,22 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
         buffer = pool.index_k_with_scale_buffer
         if not isinstance(buffer, torch.Tensor):
             raise LayoutError(f"the {name!r} pool ({kind}) has no buffer on this rank")
-        return HostPoolShape(
-            kind="indexer",
-            layout=pool.layout,
-            page_size=pool.page_size,
-            layer_num=pool.layer_num,
-            size=pool.size,
-            kv_buffer=buffer,
-            name=name,
-            start_layer=pool.start_layer,
-        )
+        return _host_shape(pool, "indexer", buffer, name=name)
     if name in (PoolName.SWA, PoolName.DRAFT_SWA) and type(pool) is MHATokenToKVPoolHost:
         # K/V heads of the sliding-window layers, on SGLang's own SWA host slots
-        return dataclasses.replace(_shape_of(pool), name=name, own_slots=True)
+        return dataclasses.replace(_shape_of(pool), name=name, own_slots=True, model_layers=False)
     if name == PoolName.MAMBA and type(pool) is MambaPoolHost:
         return _mamba_shape(pool, name)
+    if name == PoolName.INDEXER and type(pool) is MHATokenToKOnlyPoolHost:
+        # MiniMax-M3's sparse index keys: the pool numbers the sparse layers from 0
+        return _host_shape(
+            pool, "index_k", pool.k_buffer, name=name, head_num=pool.head_num, model_layers=False
+        )
     if name == PoolName.INDEXER:
-        reason = "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost), not this one"
+        reason = (
+            "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost) and MiniMax-M3's "
+            "index keys (MHATokenToKOnlyPoolHost), not this one"
+        )
     elif name.startswith("deepseek_v4_"):
         reason = "DeepSeek-V4's compressed and state pools are not stored"
     else:
@@ -829,6 +821,20 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     raise ConfigError(
         f"the kvconn HiCache backend cannot store the {name!r} pool ({kind}): {reason}; "
         "run this model without L3 storage or with another HiCache storage backend"
+    )
+
+
+def _host_shape(pool: Any, kind: str, buffer: torch.Tensor, **more: Any) -> HostPoolShape:
+    """What the layout needs of a host pool whose pages live in one buffer."""
+    return HostPoolShape(
+        kind=kind,
+        layout=pool.layout,
+        page_size=pool.page_size,
+        layer_num=pool.layer_num,
+        size=pool.size,
+        kv_buffer=buffer,
+        start_layer=pool.start_layer,
+        **more,
     )
 
 
@@ -854,6 +860,7 @@ def _mamba_shape(pool: Any, name: str) -> HostPoolShape:
         name=name,
         own_slots=True,
         components=components,
+        model_layers=False,
     )
 
 

@@ -1,5 +1,5 @@
-"""SGLang imports on this CPU machine only with the torchvision stub (cpu_env.py)."""
+"""SGLang imports on this CPU machine only with the torchvision stub."""
 
-from cpu_env import install_torchvision_stub
+from kvconn.testing.torchvision_stub import install_torchvision_stub
 
 install_torchvision_stub()

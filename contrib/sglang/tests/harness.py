@@ -36,6 +36,15 @@ state (one slot per checkpoint; the temporal state and two conv states of the Ma
 layers, in buffers of their own), moved as the SWA pool is, with a window of one page
 (``MambaComponent``: the state at the end of the hit).
 
+A ``minimax`` case is MiniMax-M3's sparse attention cache: SGLang's
+``MiniMaxSparseKVPool`` on the device (GQA K/V of every layer; the sparse layers' index
+keys, one head, in a K-only pool), an MHA host pool and the index keys' host pool
+(``MHATokenToKOnlyPoolHost``) in a ``HostPoolGroup``, as SGLang's MiniMax stack builds
+them (``build_minimax_sparse_hicache_stack``), under the ``HybridCacheController``,
+which moves the index keys with the KV pool's host indices (a sidecar ``indexer``
+transfer). Layer 0 is dense, the others sparse; the index keys are the same bytes on
+every rank.
+
 A ``draft`` case adds a speculative draft model's KV pool (EAGLE's MHA, DeepSeek MTP's
 MLA: one layer, the target's layout) as SGLang's ``maybe_register_hicache_draft`` does:
 registered with the controller after the storage has started
@@ -75,8 +84,9 @@ class Case:
     """
 
     name: str
-    #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool), "swa" (MHA full
-    #: layers + MHA sliding-window layers, ``layers`` of each) or "mamba" (MHA full
+    #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool), "minimax" (MHA of
+    #: ``layers`` layers + MiniMax-M3's index keys of all but the first), "swa" (MHA
+    #: full layers + MHA sliding-window layers, ``layers`` of each) or "mamba" (MHA full
     #: layers + Mamba layers' recurrent state, ``layers`` of each)
     model: str = "mha"
     layout: str = "layer_first"
@@ -115,6 +125,16 @@ class Case:
         return self.model if self.model in ("swa", "mamba") else None
 
     @property
+    def indexer(self) -> bool:
+        """An ``indexer`` side pool moved with the KV pool's host indices."""
+        return self.model in ("dsa", "minimax")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether SGLang runs the case under its ``HybridCacheController``."""
+        return self.indexer or self.trailing_pool is not None or self.draft
+
+    @property
     def window(self) -> int:
         return 1 if self.model == "mamba" else self.swa_window
 
@@ -140,11 +160,12 @@ class Case:
         """The model's index of ``rank``'s first layer (0 but for a pipeline stage)."""
         return rank * self.layers if self.pipeline else 0
 
-    def shard_of(self, rank: int) -> int:
-        """Which distinct copy of the K/V bytes ``rank`` holds (equal → identical bytes)."""
+    def shard_of(self, rank: int, pool: str = "kv") -> int:
+        """Which distinct copy of ``pool``'s bytes ``rank`` holds (equal → identical
+        bytes): an indexer's keys are whole on every rank."""
         if self.pipeline:  # each stage its own layers
             return rank
-        if self.model in ("mla", "dsa"):
+        if self.model in ("mla", "dsa") or pool == "indexer":
             return 0
         num_shards = min(WORLD, self.global_kv_heads)
         return rank // (WORLD // num_shards)
@@ -240,7 +261,7 @@ def _rank_main(
 ) -> None:
     try:
         os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched: the model dir is local
-        from cpu_env import install_torchvision_stub
+        from kvconn.testing.torchvision_stub import install_torchvision_stub
 
         install_torchvision_stub()
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -321,6 +342,8 @@ def _pools(case: Case, rank: int) -> Pools:
         return _swa_pools(case, tokens, dtype, common)
     if case.model == "mamba":
         return _mamba_pools(case, tokens, dtype, common)
+    if case.model == "minimax":
+        return _minimax_pools(case, tokens, dtype, common)
     if case.model == "mha":
         device = MHATokenToKVPool(
             tokens,
@@ -451,6 +474,44 @@ def _mamba_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) ->
     )
     allocator = PagedTokenToKVPoolAllocator(tokens, case.page_size, dtype, "cpu", kv, False)
     return Pools(allocator, host, controller_pool=group, trailing=mamba)
+
+
+def _minimax_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> Pools:
+    """SGLang's ``MiniMaxSparseKVPool`` (layer 0 dense, the others sparse with K-only
+    index keys of 16 elements), an MHA host pool of its main pool and the index keys'
+    ``MHATokenToKOnlyPoolHost`` in a ``HostPoolGroup``, as SGLang's MiniMax stack
+    (``build_minimax_sparse_hicache_stack``) makes them; only pinning is left out."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
+
+    sparse = list(range(1, case.layers))
+    device = MiniMaxSparseKVPool(
+        size=tokens,
+        page_size=case.page_size,
+        dtype=dtype,
+        head_num=case.heads,
+        head_dim=case.head_dim,
+        idx_head_dim=16,
+        dense_layer_ids=[0],
+        sparse_layer_ids=sparse,
+        device="cpu",
+        disable_value_sparse_layer_ids=sparse,  # SGLang stores K-only index layers
+        start_layer=0,
+        end_layer=case.layers,
+    )
+    host = _mha_host(case, device.main_pool, common)
+    index = MHATokenToKOnlyPoolHost(device.index_k_pool, host, case.layout, pin_memory=False)
+    group = _host_group(
+        case.layers,
+        (PoolName.KV, host, device.main_pool, {layer: layer for layer in range(case.layers)}),
+        (PoolName.INDEXER, index, device.index_k_pool, device.index_k_layer_id_mapping),
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, case.page_size, dtype, "cpu", device.main_pool, False
+    )
+    return Pools(allocator, host, index, group)
 
 
 def _draft_pools(
@@ -621,7 +682,7 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         model_name="kvconn-test-model",
         storage_backend_extra_config=dict(case.extra_config),
     )
-    if case.model == "dsa" or case.trailing_pool or case.draft:
+    if case.hybrid:
         controller = HybridCacheController(
             pools.allocator,
             pools.controller_pool,
@@ -663,14 +724,13 @@ def _run_case(rank: int, model_dir: str, case: Case) -> dict[str, Any]:
         result["storage_class"] = type(storage).__name__
         tokens = case_tokens(case)
         hashes = get_storage_hash_str(tokens, None, page_size=ps)
-        shard = case.shard_of(rank)
 
         # a flat page's element type: the indexer's is its own (bytes), not the model's
         dtypes = {name: pool.get_dummy_flat_data_page().dtype for name, pool in side.items()}
 
         def page(pool: str, i: int) -> Any:
             numel = side[pool].get_dummy_flat_data_page().numel()
-            return expected_page(case, shard, i, numel, dtypes[pool], pool)
+            return expected_page(case, case.shard_of(rank, pool), i, numel, dtypes[pool], pool)
 
         # pass 1: a cold request misses, then its pages are written through
         result["cold_hit_tokens"] = _hit_query(controller, case, "cold", tokens)[1]
@@ -784,10 +844,11 @@ def _late_registration(storage: Any, pool: Any) -> str:
 
 
 def _buffers(pool: Any) -> list[Any]:
-    """A host pool's tensors: the KV buffer, the indexer's keys and scales, or a Mamba
-    pool's state buffers (a list of its own)."""
+    """A host pool's tensors: the KV buffer, the DSA indexer's keys and scales,
+    MiniMax-M3's index keys, or a Mamba pool's state buffers (a list of its own)."""
     buffer = getattr(pool, "index_k_with_scale_buffer", None)
-    buffer = pool.kv_buffer if buffer is None else buffer
+    if buffer is None:
+        buffer = pool.k_buffer if hasattr(pool, "k_buffer") else pool.kv_buffer
     return list(buffer) if isinstance(buffer, list) else [buffer]
 
 
@@ -805,7 +866,7 @@ def _sidecars(case: Case, keys: list[str] | None = None) -> dict[str, Any]:
             hit_policy=PoolHitPolicy.TRAILING_PAGES,
         )
         return {"extra_pools": [window]}
-    if case.model != "dsa" and not case.draft:
+    if not case.indexer and not case.draft:
         return {}
     side = PoolTransfer(
         name=PoolName.DRAFT if case.draft else PoolName.INDEXER,
@@ -862,7 +923,7 @@ def _first_page_keys(connector: Any, page_hash: str) -> list[str]:
 
 def _hit_query(controller: Any, case: Case, rid: str, tokens: list[int]) -> tuple[Any, int]:
     """Ask the controller's prefetch thread for the group-wide hit, as the radix cache does."""
-    if case.model == "dsa" or case.trailing_pool or case.draft:  # a hybrid controller
+    if case.hybrid:
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
         op = controller.prefetch(CacheRequestHandle(rid, 0), tokens, **_sidecars(case))

@@ -392,8 +392,8 @@ def test_a_host_pool_kind_the_adapter_does_not_know_is_refused_by_name():
         ("swa", "MHATokenToKVPoolHost"),  # an SWA pool of another kind (MLA, DeepSeek-V4)
         ("deepseek_v4_c4", "DeepSeek-V4"),
         ("draft", "MHATokenToKVPoolHost or MLATokenToKVPoolHost"),
-        # MiniMax-M3's or QSA's indexer is not DeepSeek-V3.2's DSAIndexerPoolHost
-        ("indexer", "DSAIndexerPoolHost"),
+        # QSA's indexer is neither DeepSeek-V3.2's nor MiniMax-M3's
+        ("indexer", "DSAIndexerPoolHost.*MHATokenToKOnlyPoolHost"),
     ],
 )
 def test_side_pools_kvconn_does_not_store_per_page_are_refused_by_name(name, why):
@@ -432,6 +432,69 @@ def test_the_dsa_indexer_is_a_replicated_layer_group_over_its_own_pool(layout):
     assert [r.role for r in plans[1].regions] == ["index_k"] * len(plans[1].regions)
     assert {r.pool for r in plans[1].regions} == {1}
     assert described.group(1).num_slots == described.group(0).num_slots == 8
+
+
+def minimax_pools(layout="layer_first", tokens=32, ps=4, heads=2, layers=3):
+    """SGLang's own host pools of MiniMax-M3's sparse cache over its CPU device pool
+    (layer 0 dense, the others sparse): the MHA host pool of the main pool and the
+    index keys' ``MHATokenToKOnlyPoolHost`` (16 elements, one head), unpinned."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
+
+    sparse = list(range(1, layers))
+    device = MiniMaxSparseKVPool(
+        size=tokens,
+        page_size=ps,
+        dtype=torch.bfloat16,
+        head_num=heads,
+        head_dim=8,
+        idx_head_dim=16,
+        dense_layer_ids=[0],
+        sparse_layer_ids=sparse,
+        device="cpu",
+        disable_value_sparse_layer_ids=sparse,
+        start_layer=0,
+        end_layer=layers,
+    )
+    cls, info, kwargs = _mha_host_inputs(device.main_pool)
+    host = cls(
+        info,
+        layout=layout,
+        pin_memory=False,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=ps,
+        **kwargs,
+    )
+    index = MHATokenToKOnlyPoolHost(device.index_k_pool, host, layout, pin_memory=False)
+    return host, index
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_minimax_m3s_index_keys_are_a_replicated_layer_group_beside_each_ranks_kv(layout):
+    """The index keys are one head SGLang computes whole on every rank: one page per
+    block for the group at any TP, over the KV pool's slots, as SGLang's flat page."""
+    from kvconn_sglang.storage import _side_pool_shape
+
+    host, index = minimax_pools(layout)
+    shape = _side_pool_shape(index, PoolName.INDEXER)
+    described = describe_host_pool(_shape_of(host), 2, 4, [shape])
+    plans = plan_pages(described)
+    flat = index.get_dummy_flat_data_page()
+    assert [(p.group, p.shard_class.label) for p in plans] == [(0, "w2"), (1, "replicated")]
+    assert plans[1].page_size == flat.numel() * flat.element_size()  # 2 layers x 4 x 16
+    assert {r.role for r in plans[1].regions} == {"index_k"}
+    assert described.group(1).num_slots == described.group(0).num_slots
+    assert described.roles[-1].dtype == f"bfloat16:{layout}"
+
+
+def test_minimax_m3s_index_key_pool_under_pipeline_parallelism_is_refused_by_name():
+    """Its host pool numbers the sparse layers from 0 on every stage."""
+    _, index = minimax_pools()
+    storage = KvconnHiCacheStorage(storage_config(pp_size=2))
+    with pytest.raises(ConfigError, match="'indexer' pool under pipeline parallelism"):
+        storage.register_mem_host_pool_v2(index, PoolName.INDEXER)
 
 
 def test_a_side_pool_that_does_not_follow_the_kv_pools_pages_is_refused():
@@ -636,7 +699,7 @@ def host_pool_of(shape):
 
     pool = object.__new__(MHATokenToKVPoolHost if shape.kind == "mha" else MLATokenToKVPoolHost)
     for field in dataclasses.fields(shape):
-        if field.name not in ("kind", "name", "own_slots", "components"):
+        if field.name not in ("kind", "name", "own_slots", "components", "model_layers"):
             setattr(pool, field.name, getattr(shape, field.name))
     return pool
 

@@ -50,6 +50,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mooncake-gqa-duplicated": ("mooncake", {"heads": 1, "kv_heads": 1}),
     # the MLA latent and DeepSeek-V3.2's indexer: rank 0 saves, both ranks load
     "mooncake-dsa-layer-first": ("mooncake", {"model": "dsa", "page_size": DSA_PAGE}),
+    # MiniMax-M3's sparse attention: each rank's K/V, the index keys once for both
+    "mooncake-minimax-page-first": (
+        "mooncake",
+        {"model": "minimax", "layers": 3, "layout": "page_first"},
+    ),
     # a hybrid sliding-window model: the KV pages and the SWA pages of a 2-page window
     "mooncake-swa-page-first": ("mooncake", {"model": "swa", "layout": "page_first"}),
     # a hybrid linear-attention model: the KV pages and the state of the last page
@@ -124,7 +129,7 @@ def test_a_cold_prompt_misses_and_its_second_pass_loads_identical_bytes_from_the
         assert r["hit_tokens"] == pages * case.page_size
         assert r["loaded_tokens"] == pages * case.page_size
         assert r["pages_equal"] == [True] * pages, f"rank {r['rank']}"
-        if case.model == "dsa":
+        if case.indexer:
             assert r["indexer_pages_equal"] == [True] * pages, f"rank {r['rank']} indexer"
         if case.model == "swa":  # the window that ends the hit, from its own host slots
             assert r["swa_window_pages"] == [pages - 2, pages - 1]
@@ -157,6 +162,17 @@ def test_a_sliding_window_models_ranks_each_write_their_kv_and_their_window(
             "swa_k": 2,
             "swa_v": 2,
         }
+
+
+def test_minimax_m3s_index_keys_are_written_once_for_both_ranks_with_the_writes_spread(
+    runs: dict[str, Any],
+) -> None:
+    ranks = runs["mooncake-minimax-page-first"]
+    written_by_role = [r["kvconn"]["by_role"]["written"] for r in ranks]
+    for by_role in written_by_role:
+        assert by_role["k"]["pages"] == by_role["v"]["pages"] == PAGES  # its own heads
+    index = [by_role.get("index_k", {}).get("pages", 0) for by_role in written_by_role]
+    assert sum(index) == PAGES and all(n > 0 for n in index), index
 
 
 def test_a_head_duplicated_on_both_ranks_is_written_once_with_the_writes_spread(

@@ -31,6 +31,8 @@ from kvconn.registry import load_backend
 PAGES = 6
 #: SGLang's DSA pool takes 64-token pages only.
 DSA_PAGE = 64
+#: A MiniMax-M3 case's layers: one dense, two sparse.
+MINIMAX_LAYERS = 3
 
 
 def extra_config(store: Path, *, stripe: bool = False, **more: Any) -> dict[str, Any]:
@@ -83,6 +85,23 @@ def _cases(root: Path) -> dict[str, Case]:
                 "dsa-indexer-evicted",
                 model="dsa",
                 page_size=DSA_PAGE,
+                between_hit_and_get=EvictPage(3, "replicated", group=1),
+            ),
+            # MiniMax-M3's sparse attention: GQA K/V of 3 layers, the index keys (one
+            # head, whole on every rank) of the 2 sparse ones in a K-only side pool
+            case("minimax-layer-first", model="minimax", layers=MINIMAX_LAYERS),
+            case("minimax-page-first", model="minimax", layers=MINIMAX_LAYERS, layout="page_first"),
+            case(
+                "minimax-page-first-direct",
+                model="minimax",
+                layers=MINIMAX_LAYERS,
+                layout="page_first_direct",
+            ),
+            # after the hit query, block 3's index-key page (layer group 1) disappears
+            case(
+                "minimax-indexer-evicted",
+                model="minimax",
+                layers=MINIMAX_LAYERS,
                 between_hit_and_get=EvictPage(3, "replicated", group=1),
             ),
             # pipeline parallelism at TP=1: each process a stage with 2 of the 4 layers
@@ -381,6 +400,68 @@ def test_a_side_pool_registered_once_the_store_has_answered_is_refused(runs):
     for r in runs["dsa-layer-first"]:
         assert r["late_registration"].startswith("ConfigError")
         assert "'indexer' pool was registered after" in r["late_registration"]
+
+
+# ------------------------------------------------ MiniMax-M3: GQA K/V + sparse index keys
+MINIMAX = ["minimax-layer-first", "minimax-page-first", "minimax-page-first-direct"]
+
+
+@pytest.mark.parametrize("name", MINIMAX)
+def test_minimax_m3_kv_and_index_keys_load_byte_for_byte_on_both_ranks(runs, name):
+    for r in runs[name]:
+        assert r["storage_class"] == "KvconnHiCacheStorage"
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == PAGES * 4
+        # batch_exists_v2 reports both pools at the one hit, agreed by SGLang's MIN
+        assert r["pool_hit_pages"] == {"kv": PAGES, "indexer": PAGES}
+        assert r["loaded_tokens"] == PAGES * 4
+        assert r["pages_equal"] == [True] * PAGES, f"rank {r['rank']} K/V"
+        assert r["indexer_pages_equal"] == [True] * PAGES, f"rank {r['rank']} index keys"
+
+
+@pytest.mark.parametrize("name", MINIMAX)
+def test_minimax_m3_stores_its_index_keys_once_per_block_and_its_kv_per_rank(runs, name):
+    """Every rank saves (an MHA model) and holds the same index keys: kvconn writes one
+    index-key page per block for the group, its writes spread over the ranks, where
+    keyed per rank it would store one per rank."""
+    assert stored_pages_by_group(runs, name) == {
+        (f"w{WORLD}r0", "lg0"): PAGES,
+        (f"w{WORLD}r1", "lg0"): PAGES,
+        ("replicated", "lg1"): PAGES,
+    }
+    index_writes = [
+        r["kvconn"]["by_role"]["written"].get("index_k", {}).get("pages", 0) for r in runs[name]
+    ]
+    assert sum(index_writes) == PAGES
+    assert all(n > 0 for n in index_writes), index_writes  # both ranks took a share
+    for r in runs[name]:
+        assert r["backup_completed_tokens"] == PAGES * 4
+        assert r["kvconn"]["by_role"]["written"]["k"]["pages"] == PAGES  # its own K/V
+
+
+@pytest.mark.parametrize("name", ["minimax-layer-first", "minimax-page-first-direct"])
+def test_a_stored_index_key_page_is_sglangs_own_flat_index_key_page(runs, name):
+    for r in runs[name]:
+        case = Case(**r["case"])
+        # MHATokenToKOnlyPoolHost.get_data_page(flat=True): the page's 4 tokens of one
+        # 16-element bfloat16 key for each of the 2 sparse layers, in the layout's order
+        numel = (MINIMAX_LAYERS - 1) * 4 * 16
+        want = expected_page(case, 0, 0, numel, torch.bfloat16, "indexer")
+        (key,) = [k for k in r["first_page_keys"] if "/replicated/lg1/" in k]
+        value = stored_value(runs, name, key)
+        checksum = PageChecksum()
+        assert value[: -checksum.size] == bytes(want.numpy())
+
+
+def test_a_minimax_index_key_page_evicted_after_the_hit_query_ends_the_load_on_both_ranks(
+    runs,
+):
+    for r in runs["minimax-indexer-evicted"]:
+        assert r["hit_tokens"] == PAGES * 4  # the lookup saw every page
+        assert r["loaded_tokens"] == 3 * 4
+        assert r["indexer_pages_equal"] == [True] * 3
+        assert r["indexer_failed_pages_untouched"] == [True] * (PAGES - 3)
+        assert r["hit_tokens_after"] == 3 * 4
 
 
 # ------------------------------------------------ pipeline parallelism (TP=1, 2 stages)

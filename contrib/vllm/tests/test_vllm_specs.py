@@ -139,6 +139,40 @@ def test_deepseek_v32s_indexer_keys_join_the_latents_replicated_page(
     assert dict(plan.role_bytes) == {"latent": 2 * 16 * 576 * 4, "index_k": 2 * 16 * 132}
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_minimax_m3s_index_keys_are_one_replicated_page_beside_each_ranks_kv(
+    tp: int, tiny_model: Callable[[str], Path]
+) -> None:
+    """MiniMax-M3's sparse layers keep a 1-head index key per token next to their GQA
+    K/V: vLLM's ``MiniMaxM3IndexerCache`` declares it an ``MLAAttentionSpec`` with the
+    ``INDEXER`` role, whole on every rank. vLLM groups it with the K/V layers; kvconn
+    stores it once per block, the K/V per rank."""
+    from kvconn.testing.torchvision_stub import torchvision_stubbed
+
+    with torchvision_stubbed():  # the model package imports its vision processor
+        from vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerCache
+
+    config = engine_config(tiny_model("llama-2kv"))
+    config.cache_config.block_size = 32
+    heads = 2 // tp  # the model's 2 KV heads over the ranks
+    kv = {"block_size": 32, "num_kv_heads": heads, "head_size": 64, "dtype": torch.float32}
+    specs: dict[str, KVCacheSpec] = {}
+    with set_current_vllm_config(config):
+        for i in range(3):  # layer 0 dense, layers 1 and 2 sparse
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(**kv)
+            if i:
+                name = f"model.layers.{i}.self_attn.indexer.k_cache"
+                cache = MiniMaxM3IndexerCache(128, name, config.cache_config)
+                specs[name] = cache.get_kv_cache_spec(config)
+    kv_cache_config, caches = allocate(config, specs, "CPU_ATTN")
+    layout = derive(config, kv_cache_config, caches, tp)
+    assert sorted((r.name, r.units) for r in layout.roles) == [("index_k", 1), ("kv", 2)]
+    plans = {p.shard_class.replicated: p for p in plan_pages(layout)}
+    assert dict(plans[True].role_bytes) == {"index_k": 2 * 32 * 128 * 2}  # bf16, 2 layers
+    assert dict(plans[False].role_bytes) == {"kv": 3 * 2 * 32 * heads * 64 * 4}
+    assert plans[False].shard_class.num_shards == tp
+
+
 def test_each_hybrid_kv_cache_group_is_a_layer_group_and_the_sliding_one_has_its_window(
     tiny_model: Callable[[str], Path],
 ) -> None:

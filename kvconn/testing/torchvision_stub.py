@@ -1,6 +1,7 @@
-"""What SGLang's import needs on a CPU machine without torchvision.
+"""What the engines' imports need on a CPU machine without torchvision.
 
-SGLang imports torchvision only from multimodal configs that HiCache never runs, and the
+SGLang imports torchvision from multimodal configs that HiCache never runs, and vLLM
+from the processors of models whose layers its tests build (MiniMax-M3's package); the
 PyPI torchvision wheels link the CUDA build of libtorch ("operator torchvision::nms does
 not exist" against the CPU torch). A stub package answers those imports instead.
 
@@ -11,10 +12,12 @@ still honestly absent.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 _STUB_VERSION = "0.0.0+kvconn.stub"
@@ -58,3 +61,22 @@ def install_torchvision_stub() -> None:
 
     import_utils.is_torchvision_available()  # cached: False, before the stub exists
     sys.meta_path.insert(0, _TorchvisionStub())
+
+
+@contextlib.contextmanager
+def torchvision_stubbed() -> Iterator[None]:
+    """The stub for the imports made inside the block only: afterwards the finder and
+    the stub's modules are gone, so later code of the process sees no torchvision (the
+    modules imported meanwhile keep the stub's classes they bound)."""
+    installed = not any(isinstance(f, _TorchvisionStub) for f in sys.meta_path)
+    install_torchvision_stub()
+    try:
+        yield
+    finally:
+        if installed:
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TorchvisionStub)]
+            for name in [
+                n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")
+            ]:
+                if getattr(sys.modules[name], "__version__", None) == _STUB_VERSION:
+                    del sys.modules[name]
