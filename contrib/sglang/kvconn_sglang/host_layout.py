@@ -71,6 +71,13 @@ class HostPoolShape:
     ``[tokens, layers, 1, dim]`` in ``page_first``, ``[pages, layers, page_size, 1, dim]``
     in ``page_first_direct``) and moves with the KV pool's host indices.
 
+    ``"kv_rows"`` is a K/V pool packed as one row per page and layer (MiniMax-M3.1's
+    NVFP4 main cache, ``MiniMaxM3Nvfp4MainKVPoolHost``: the rank's K payload, K scales, V
+    payload and V scales of the page's tokens), shaped like the DSA indexer's rows; it is
+    split by heads over the ranks, but no head's bytes are one range, so its pages are
+    never cut finer than a rank's. ``encoding`` names what such rows are (their buffer
+    is bytes): it replaces the buffer's dtype in the roles' dtypes, hence in the keys.
+
     ``"mamba"`` is a hybrid linear-attention model's recurrent state: one slot per
     checkpoint (``page_size`` 1: the state at the end of a KV page), held in several
     buffers, ``components`` (name, tensor) in the order of SGLang's flat page, each
@@ -96,6 +103,7 @@ class HostPoolShape:
     #: that a pipeline stage's pages are keyed apart from another's. SGLang numbers the
     #: layers of an SWA, Mamba or MiniMax index-key pool from 0 on every stage.
     model_layers: bool = True
+    encoding: str | None = None
 
     @property
     def stored_components(self) -> tuple[tuple[str, torch.Tensor], ...]:
@@ -183,7 +191,8 @@ def describe_host_pool(
     groups: list[LayerGroup] = []
     first_pool = 0  # the kvconn pool index of the group's first tensor
     for index, pool in enumerate((shape, *side_pools)):
-        dtype = f"{str(pool.kv_buffer.dtype).removeprefix('torch.')}:{pool.layout}"
+        element = pool.encoding or str(pool.kv_buffer.dtype).removeprefix("torch.")
+        dtype = f"{element}:{pool.layout}"
         pages = pool.size // pool.page_size if pool.own_slots else kv_pages
         pool_units = units if index == 0 else _side_units(pool, side_units)
         if pool.kind == "mamba":
@@ -270,13 +279,16 @@ def _components(
 
     buffer = pool.kv_buffer
     first = pool.start_layer  # a region's layer is the model's: a PP stage's own numbers
-    if pool.kind == "indexer":
+    if pool.kind in ("indexer", "kv_rows"):
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's
         # DeepSeek-V3.2's own ``index_k``; a draft model's ``draft_index_k``
-        role = declare(Role(pool.name.replace("indexer", "index_k"), 1, dtype))
+        if pool.kind == "indexer":
+            role = declare(Role(pool.name.replace("indexer", "index_k"), 1, dtype))
+        else:
+            role = declare(Role("kv" if pool.name == "kv" else f"{pool.name}_kv", units, dtype))
         if pool.layout not in (LAYER_FIRST, "page_first", "page_first_direct"):
-            raise LayoutError(f"SGLang has no {pool.layout} layout for the indexer pool")
+            raise LayoutError(f"SGLang has no {pool.layout} layout for the {pool.name} pool")
         if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
             _check_rows(pool, buffer, pages, layer_dim=0, page_dim=1, dims=3)
             return [

@@ -27,8 +27,9 @@ one :class:`PoolTransfer` per pool), each a layer group of its own
 
 * DeepSeek-V3.2's DSA indexer is stored once for the group like the MLA latent, and a
   hit needs it for every page; so is MiniMax-M3's sparse index keys' pool
-  (``MHATokenToKOnlyPoolHost``: one head every rank computes whole), beside each rank's
-  own K/V pages;
+  (``MHATokenToKOnlyPoolHost``: one head every rank computes whole; MiniMax-M3.1's NVFP4
+  index rows), beside each rank's own K/V pages (NVFP4: packed K/V rows, keyed by the
+  heads they hold like an MHA pool's);
 * a hybrid sliding-window model's SWA K/V (gpt-oss, Gemma, MiMo: SGLang's ``SWAKVPool``)
   is keyed by head like the KV pool. SGLang keeps it, on host slots of its own, only for
   the last pages of each node, and resumes a request from the window that ends its hit
@@ -88,9 +89,14 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.minimax_m3_nvfp4_pool import msa_v1_page_row_bytes
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost, MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4 import (
+    MiniMaxM3Nvfp4IndexKPoolHost,
+    MiniMaxM3Nvfp4MainKVPoolHost,
+)
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from kvconn.backend import Backend
@@ -108,6 +114,10 @@ from kvconn_sglang.host_layout import HostPoolShape, describe_host_pool, kv_unit
 from kvconn_sglang.settings import AdapterSettings, engine_model
 
 log = logging.getLogger("kvconn.sglang")
+
+#: Host pool kinds whose K/V are split by heads over the ranks (a head duplicated on
+#: several ranks is stored once for them).
+KV_BY_HEADS = ("mha", "kv_rows")
 
 #: The hash scheme of SGLang's page keys: hex sha256 over (parent digest, u32 tokens).
 HASH_SCHEME = "sglang:sha256"
@@ -272,7 +282,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
             shape.page_size,
             "".join(f" + {pool.name} pool" for pool in side_pools),
             self.settings.connector.backend,
-            units if shape.kind == "mha" else "replicated",
+            units if shape.kind in KV_BY_HEADS else "replicated",
             f" cut at shard_heads={shard_heads}" if shard_heads is not None else "",
             "spread over replicas" if self.every_rank_saves else "this rank writes all",
         )
@@ -281,7 +291,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
 
     def _kv_units(self, shape: HostPoolShape) -> int:
         tp = self.storage_config.tp_size
-        if shape.kind != "mha":
+        if shape.kind not in KV_BY_HEADS:
             return 1
         if self.settings.kv_heads is not None:  # stated by the operator: must fit
             return kv_units(shape.head_num, tp, self.settings.kv_heads)
@@ -360,7 +370,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if shape.kind != "mha":
             raise ConfigError(
                 f"{self._split_label(None)}: SGLang asks to split K/V heads, but the host "
-                f"pool is {shape.kind}, which has no heads to split"
+                f"pool is {shape.kind}, whose pages kvconn cannot cut by head"
             )
         shards = tp_lcm_shards(config.tp_lcm_size, config.tp_size, units)
         if explicit is not None and explicit != shards:
@@ -758,10 +768,15 @@ def _shape_of(pool: Any) -> HostPoolShape:
         kind, heads = "mha", pool.head_num
     elif type(pool) is MLATokenToKVPoolHost:
         kind, heads = "mla", 1
+    elif type(pool) is MiniMaxM3Nvfp4MainKVPoolHost:
+        return _host_shape(
+            pool, "kv_rows", pool.kv_buffer, head_num=_nvfp4_heads(pool), encoding=NVFP4_ROWS
+        )
     else:
         raise LayoutError(
-            f"the kvconn HiCache backend supports MHATokenToKVPoolHost and "
-            f"MLATokenToKVPoolHost host pools, not {type(pool).__name__}"
+            f"the kvconn HiCache backend supports MHATokenToKVPoolHost, "
+            f"MLATokenToKVPoolHost and MiniMaxM3Nvfp4MainKVPoolHost host pools, not "
+            f"{type(pool).__name__}"
         )
     buffer = pool.kv_buffer
     if not isinstance(buffer, torch.Tensor):
@@ -804,6 +819,11 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
         return dataclasses.replace(_shape_of(pool), name=name, own_slots=True, model_layers=False)
     if name == PoolName.MAMBA and type(pool) is MambaPoolHost:
         return _mamba_shape(pool, name)
+    if name == PoolName.INDEXER and type(pool) is MiniMaxM3Nvfp4IndexKPoolHost:
+        # MiniMax-M3.1's NVFP4 index keys: one row per page and layer, like DSA's
+        return _host_shape(
+            pool, "indexer", pool.kv_buffer, name=name, encoding=NVFP4_ROWS, model_layers=False
+        )
     if name == PoolName.INDEXER and type(pool) is MHATokenToKOnlyPoolHost:
         # MiniMax-M3's sparse index keys: the pool numbers the sparse layers from 0
         return _host_shape(
@@ -812,7 +832,7 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     if name == PoolName.INDEXER:
         reason = (
             "kvconn stores DeepSeek-V3.2's DSA indexer (DSAIndexerPoolHost) and MiniMax-M3's "
-            "index keys (MHATokenToKOnlyPoolHost), not this one"
+            "index keys (MHATokenToKOnlyPoolHost, MiniMaxM3Nvfp4IndexKPoolHost), not this one"
         )
     elif name.startswith("deepseek_v4_"):
         reason = "DeepSeek-V4's compressed and state pools are not stored"
@@ -821,6 +841,27 @@ def _side_pool_shape(pool: Any, name: str) -> HostPoolShape:
     raise ConfigError(
         f"the kvconn HiCache backend cannot store the {name!r} pool ({kind}): {reason}; "
         "run this model without L3 storage or with another HiCache storage backend"
+    )
+
+
+#: What MiniMax-M3.1's NVFP4 page rows are (SGLang's MSA-v1 row: each component 128-byte
+#: aligned), in place of their buffers' uint8 in the roles' dtypes.
+NVFP4_ROWS = "nvfp4-msa-v1"
+
+
+def _nvfp4_heads(pool: Any) -> int:
+    """The K/V heads of this rank in an NVFP4 main row, by SGLang's own row width
+    (``msa_v1_page_row_bytes``: head_dim 128, as SGLang's MSA-v1 cache requires)."""
+    width = pool.row_bytes
+    for heads in range(1, width + 1):
+        main, _ = msa_v1_page_row_bytes(heads, 128, 128, pool.page_size)
+        if main == width:
+            return heads
+        if main > width:
+            break
+    raise LayoutError(
+        f"{type(pool).__name__}: a {width}-byte row is no MSA-v1 main row of "
+        f"{pool.page_size}-token pages for any head count"
     )
 
 

@@ -43,7 +43,10 @@ keys, one head, in a K-only pool), an MHA host pool and the index keys' host poo
 them (``build_minimax_sparse_hicache_stack``), under the ``HybridCacheController``,
 which moves the index keys with the KV pool's host indices (a sidecar ``indexer``
 transfer). Layer 0 is dense, the others sparse; the index keys are the same bytes on
-every rank.
+every rank. A ``minimax-nvfp4`` case is MiniMax-M3.1's NVFP4 cache
+(``MiniMaxM3Nvfp4KVPool``: every layer sparse, 128-token pages, head_dim 128), whose
+host pools pack each page and layer into one row: ``MiniMaxM3Nvfp4MainKVPoolHost`` (the
+rank's K, K scales, V, V scales) and ``MiniMaxM3Nvfp4IndexKPoolHost``.
 
 A ``draft`` case adds a speculative draft model's KV pool (EAGLE's MHA, DeepSeek MTP's
 MLA: one layer, the target's layout) as SGLang's ``maybe_register_hicache_draft`` does:
@@ -85,7 +88,8 @@ class Case:
 
     name: str
     #: "mha", "mla", "dsa" (MLA + DeepSeek-V3.2's indexer pool), "minimax" (MHA of
-    #: ``layers`` layers + MiniMax-M3's index keys of all but the first), "swa" (MHA
+    #: ``layers`` layers + MiniMax-M3's index keys of all but the first),
+    #: "minimax-nvfp4" (MiniMax-M3.1's NVFP4 rows of K/V and index keys), "swa" (MHA
     #: full layers + MHA sliding-window layers, ``layers`` of each) or "mamba" (MHA full
     #: layers + Mamba layers' recurrent state, ``layers`` of each)
     model: str = "mha"
@@ -127,7 +131,7 @@ class Case:
     @property
     def indexer(self) -> bool:
         """An ``indexer`` side pool moved with the KV pool's host indices."""
-        return self.model in ("dsa", "minimax")
+        return self.model in ("dsa", "minimax", "minimax-nvfp4")
 
     @property
     def hybrid(self) -> bool:
@@ -342,8 +346,8 @@ def _pools(case: Case, rank: int) -> Pools:
         return _swa_pools(case, tokens, dtype, common)
     if case.model == "mamba":
         return _mamba_pools(case, tokens, dtype, common)
-    if case.model == "minimax":
-        return _minimax_pools(case, tokens, dtype, common)
+    if case.model in ("minimax", "minimax-nvfp4"):
+        return _minimax_pools(case, tokens, dtype)
     if case.model == "mha":
         device = MHATokenToKVPool(
             tokens,
@@ -476,33 +480,67 @@ def _mamba_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) ->
     return Pools(allocator, host, controller_pool=group, trailing=mamba)
 
 
-def _minimax_pools(case: Case, tokens: int, dtype: Any, common: dict[str, Any]) -> Pools:
-    """SGLang's ``MiniMaxSparseKVPool`` (layer 0 dense, the others sparse with K-only
-    index keys of 16 elements), an MHA host pool of its main pool and the index keys'
-    ``MHATokenToKOnlyPoolHost`` in a ``HostPoolGroup``, as SGLang's MiniMax stack
-    (``build_minimax_sparse_hicache_stack``) makes them; only pinning is left out."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.hicache_storage import PoolName
+def minimax_host_pools(case: Case, tokens: int) -> tuple[Any, Any, Any]:
+    """SGLang's MiniMax-M3 device pool and its two host pools (K/V, index keys), as
+    SGLang's MiniMax stack (``build_minimax_sparse_hicache_stack``) makes them; only
+    pinning is left out. ``minimax``: a ``MiniMaxSparseKVPool`` (layer 0 dense, the
+    others sparse with K-only index keys of 16 elements), an MHA host pool of its main
+    pool and ``MHATokenToKOnlyPoolHost``. ``minimax-nvfp4``: a ``MiniMaxM3Nvfp4KVPool``
+    (every layer sparse, 128-element index keys) and its two page-row host pools."""
+    import torch
     from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+    from sglang.srt.mem_cache.minimax_m3_nvfp4_pool import MiniMaxM3Nvfp4KVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
+    from sglang.srt.mem_cache.pool_host.minimax_m3_nvfp4 import (
+        MiniMaxM3Nvfp4IndexKPoolHost,
+        MiniMaxM3Nvfp4MainKVPoolHost,
+    )
 
-    sparse = list(range(1, case.layers))
-    device = MiniMaxSparseKVPool(
+    nvfp4 = case.model == "minimax-nvfp4"
+    sparse = list(range(0 if nvfp4 else 1, case.layers))
+    device = (MiniMaxM3Nvfp4KVPool if nvfp4 else MiniMaxSparseKVPool)(
         size=tokens,
         page_size=case.page_size,
-        dtype=dtype,
+        dtype=getattr(torch, case.dtype),
         head_num=case.heads,
         head_dim=case.head_dim,
-        idx_head_dim=16,
-        dense_layer_ids=[0],
+        idx_head_dim=128 if nvfp4 else 16,
+        dense_layer_ids=[] if nvfp4 else [0],
         sparse_layer_ids=sparse,
         device="cpu",
         disable_value_sparse_layer_ids=sparse,  # SGLang stores K-only index layers
         start_layer=0,
         end_layer=case.layers,
     )
-    host = _mha_host(case, device.main_pool, common)
-    index = MHATokenToKOnlyPoolHost(device.index_k_pool, host, case.layout, pin_memory=False)
+    main, index = device.main_pool, device.index_k_pool
+    if not nvfp4:
+        common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": case.page_size}
+        host = _mha_host(case, main, common)
+        return device, host, MHATokenToKOnlyPoolHost(index, host, case.layout, pin_memory=False)
+    layers = {"start_layer": 0, "end_layer": case.layers}
+    info = main.get_device_pool_infos()[0].buffer_info
+    host = MiniMaxM3Nvfp4MainKVPoolHost(
+        info,
+        2.0,
+        0,
+        case.page_size,
+        case.layout,
+        pin_memory=False,
+        device_capacity_tokens=main.size,
+        **layers,
+    )
+    info = index.get_device_pool_infos()[0].buffer_info
+    index_host = MiniMaxM3Nvfp4IndexKPoolHost(info, host, case.layout, pin_memory=False, **layers)
+    return device, host, index_host
+
+
+def _minimax_pools(case: Case, tokens: int, dtype: Any) -> Pools:
+    """:func:`minimax_host_pools` in a ``HostPoolGroup``, the index keys moved with the
+    KV pool's host indices."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    device, host, index = minimax_host_pools(case, tokens)
     group = _host_group(
         case.layers,
         (PoolName.KV, host, device.main_pool, {layer: layer for layer in range(case.layers)}),

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from harness import Case, minimax_host_pools
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     PoolHitPolicy,
@@ -434,40 +435,13 @@ def test_the_dsa_indexer_is_a_replicated_layer_group_over_its_own_pool(layout):
     assert described.group(1).num_slots == described.group(0).num_slots == 8
 
 
-def minimax_pools(layout="layer_first", tokens=32, ps=4, heads=2, layers=3):
-    """SGLang's own host pools of MiniMax-M3's sparse cache over its CPU device pool
-    (layer 0 dense, the others sparse): the MHA host pool of the main pool and the
-    index keys' ``MHATokenToKOnlyPoolHost`` (16 elements, one head), unpinned."""
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
-    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKOnlyPoolHost
-
-    sparse = list(range(1, layers))
-    device = MiniMaxSparseKVPool(
-        size=tokens,
-        page_size=ps,
-        dtype=torch.bfloat16,
-        head_num=heads,
-        head_dim=8,
-        idx_head_dim=16,
-        dense_layer_ids=[0],
-        sparse_layer_ids=sparse,
-        device="cpu",
-        disable_value_sparse_layer_ids=sparse,
-        start_layer=0,
-        end_layer=layers,
-    )
-    cls, info, kwargs = _mha_host_inputs(device.main_pool)
-    host = cls(
-        info,
-        layout=layout,
-        pin_memory=False,
-        host_to_device_ratio=2.0,
-        host_size=0,
-        page_size=ps,
-        **kwargs,
-    )
-    index = MHATokenToKOnlyPoolHost(device.index_k_pool, host, layout, pin_memory=False)
+def minimax_pools(layout="layer_first", heads=2, layers=3, pages=8, nvfp4=False):
+    """SGLang's own host pools of MiniMax-M3's sparse cache, the harness's (K/V, index
+    keys); with ``nvfp4`` MiniMax-M3.1's page rows (128-token pages, head_dim 128)."""
+    ps, dim = (128, 128) if nvfp4 else (4, 8)
+    model = "minimax-nvfp4" if nvfp4 else "minimax"
+    case = Case("unit", model=model, layout=layout, page_size=ps, layers=layers, heads=heads)
+    _, host, index = minimax_host_pools(dataclasses.replace(case, head_dim=dim), pages * ps)
     return host, index
 
 
@@ -495,6 +469,40 @@ def test_minimax_m3s_index_key_pool_under_pipeline_parallelism_is_refused_by_nam
     storage = KvconnHiCacheStorage(storage_config(pp_size=2))
     with pytest.raises(ConfigError, match="'indexer' pool under pipeline parallelism"):
         storage.register_mem_host_pool_v2(index, PoolName.INDEXER)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 8])
+def test_an_nvfp4_rows_head_count_is_read_off_sglangs_own_row_width(heads):
+    host, _ = minimax_pools(heads=heads, nvfp4=True)
+    assert _shape_of(host).head_num == heads
+
+
+def test_an_nvfp4_row_of_no_msa_v1_width_is_refused():
+    host, _ = minimax_pools(nvfp4=True)
+    host.row_bytes += 128
+    with pytest.raises(LayoutError, match="is no MSA-v1 main row"):
+        _shape_of(host)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_minimax_m31s_nvfp4_rows_are_kv_per_rank_and_index_keys_once(layout):
+    """The K/V rows hold the rank's heads (never cut finer: no head is one range of a
+    row); the index rows are the same on every rank. Both roles name the encoding."""
+    from kvconn_sglang.storage import _side_pool_shape
+
+    host, index = minimax_pools(layout, layers=2, nvfp4=True)
+    shape = _shape_of(host)
+    described = describe_host_pool(shape, 2, 4, [_side_pool_shape(index, PoolName.INDEXER)])
+    plans = plan_pages(described)
+    assert [(p.group, p.shard_class.label) for p in plans] == [(0, "w2"), (1, "replicated")]
+    flat = [pool.get_dummy_flat_data_page().numel() for pool in (host, index)]
+    assert [p.page_size for p in plans] == flat
+    assert [(r.name, r.units, r.dtype) for r in described.roles] == [
+        ("kv", 4, f"nvfp4-msa-v1:{layout}"),
+        ("index_k", 1, f"nvfp4-msa-v1:{layout}"),
+    ]
+    with pytest.raises(LayoutError, match="needs its unit layout"):
+        plan_pages(described, shard_heads=4)
 
 
 def test_a_side_pool_that_does_not_follow_the_kv_pools_pages_is_refused():

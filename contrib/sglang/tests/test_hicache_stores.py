@@ -55,6 +55,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "mooncake",
         {"model": "minimax", "layers": 3, "layout": "page_first"},
     ),
+    # MiniMax-M3.1's NVFP4 page rows: K/V rows per rank, index rows once
+    "redis-minimax-nvfp4-layer-first": (
+        "redis",
+        {"model": "minimax-nvfp4", "page_size": 128, "head_dim": 128},
+    ),
     # a hybrid sliding-window model: the KV pages and the SWA pages of a 2-page window
     "mooncake-swa-page-first": ("mooncake", {"model": "swa", "layout": "page_first"}),
     # a hybrid linear-attention model: the KV pages and the state of the last page
@@ -167,12 +172,13 @@ def test_a_sliding_window_models_ranks_each_write_their_kv_and_their_window(
 def test_minimax_m3s_index_keys_are_written_once_for_both_ranks_with_the_writes_spread(
     runs: dict[str, Any],
 ) -> None:
-    ranks = runs["mooncake-minimax-page-first"]
-    written_by_role = [r["kvconn"]["by_role"]["written"] for r in ranks]
-    for by_role in written_by_role:
-        assert by_role["k"]["pages"] == by_role["v"]["pages"] == PAGES  # its own heads
-    index = [by_role.get("index_k", {}).get("pages", 0) for by_role in written_by_role]
-    assert sum(index) == PAGES and all(n > 0 for n in index), index
+    for name in ("mooncake-minimax-page-first", "redis-minimax-nvfp4-layer-first"):
+        written_by_role = [r["kvconn"]["by_role"]["written"] for r in runs[name]]
+        for by_role in written_by_role:
+            roles = ("kv",) if "nvfp4" in name else ("k", "v")  # packed rows: one role
+            assert [by_role[role]["pages"] for role in roles] == [PAGES] * len(roles)
+        index = [by_role.get("index_k", {}).get("pages", 0) for by_role in written_by_role]
+        assert sum(index) == PAGES and all(n > 0 for n in index), (name, index)
 
 
 def test_a_head_duplicated_on_both_ranks_is_written_once_with_the_writes_spread(

@@ -33,6 +33,8 @@ PAGES = 6
 DSA_PAGE = 64
 #: A MiniMax-M3 case's layers: one dense, two sparse.
 MINIMAX_LAYERS = 3
+#: SGLang's MiniMax-M3.1 NVFP4 (MSA-v1) cache takes 128-token pages only.
+MSA_PAGE = 128
 
 
 def extra_config(store: Path, *, stripe: bool = False, **more: Any) -> dict[str, Any]:
@@ -103,6 +105,29 @@ def _cases(root: Path) -> dict[str, Case]:
                 model="minimax",
                 layers=MINIMAX_LAYERS,
                 between_hit_and_get=EvictPage(3, "replicated", group=1),
+            ),
+            # MiniMax-M3.1's NVFP4 cache: K/V and index keys packed in page rows
+            case(
+                "minimax-nvfp4-layer-first",
+                model="minimax-nvfp4",
+                page_size=MSA_PAGE,
+                head_dim=128,
+            ),
+            case(
+                "minimax-nvfp4-page-first",
+                model="minimax-nvfp4",
+                layout="page_first",
+                page_size=MSA_PAGE,
+                head_dim=128,
+            ),
+            # one KV head for the model at TP=2: both ranks' K/V rows are the same bytes
+            case(
+                "minimax-nvfp4-gqa-duplicated",
+                model="minimax-nvfp4",
+                page_size=MSA_PAGE,
+                head_dim=128,
+                heads=1,
+                kv_heads=1,
             ),
             # pipeline parallelism at TP=1: each process a stage with 2 of the 4 layers
             case("pp-mha-layer-first", pipeline=True),
@@ -462,6 +487,48 @@ def test_a_minimax_index_key_page_evicted_after_the_hit_query_ends_the_load_on_b
         assert r["indexer_pages_equal"] == [True] * 3
         assert r["indexer_failed_pages_untouched"] == [True] * (PAGES - 3)
         assert r["hit_tokens_after"] == 3 * 4
+
+
+NVFP4 = ["minimax-nvfp4-layer-first", "minimax-nvfp4-page-first"]
+
+
+@pytest.mark.parametrize("name", [*NVFP4, "minimax-nvfp4-gqa-duplicated"])
+def test_minimax_m31_nvfp4_rows_load_byte_for_byte_on_both_ranks(runs, name):
+    for r in runs[name]:
+        assert r["cold_hit_tokens"] == 0
+        assert r["hit_tokens"] == r["loaded_tokens"] == PAGES * MSA_PAGE
+        assert r["pool_hit_pages"] == {"kv": PAGES, "indexer": PAGES}
+        assert r["pages_equal"] == [True] * PAGES, f"rank {r['rank']} K/V rows"
+        assert r["indexer_pages_equal"] == [True] * PAGES, f"rank {r['rank']} index rows"
+
+
+@pytest.mark.parametrize("name", NVFP4)
+def test_minimax_m31_nvfp4_stores_k_v_rows_per_rank_and_index_rows_once(runs, name):
+    assert stored_pages_by_group(runs, name) == {
+        (f"w{WORLD}r0", "lg0"): PAGES,
+        (f"w{WORLD}r1", "lg0"): PAGES,
+        ("replicated", "lg1"): PAGES,
+    }
+    for r in runs[name]:
+        # SGLang's flat page of each pool: every layer's row, in layer order
+        kv_key, index_key = r["first_page_keys"]
+        value = stored_value(runs, name, index_key)
+        numel = 2 * 128 * 72  # 2 layers x one 9,216-byte row (64-byte keys, 8 scales)
+        want = expected_page(Case(**r["case"]), 0, 0, numel, torch.uint8, "indexer")
+        assert value[: -PageChecksum().size] == bytes(want.numpy())
+        assert f"/w{WORLD}r{r['rank']}/lg0/" in kv_key
+
+
+def test_minimax_m31_nvfp4_k_v_rows_duplicated_on_both_ranks_are_stored_once(runs):
+    name = "minimax-nvfp4-gqa-duplicated"
+    assert stored_pages_by_group(runs, name) == {
+        ("replicated", "lg0"): PAGES,
+        ("replicated", "lg1"): PAGES,
+    }
+    kv_writes = [
+        r["kvconn"]["by_role"]["written"].get("kv", {}).get("pages", 0) for r in runs[name]
+    ]
+    assert sum(kv_writes) == PAGES and all(n > 0 for n in kv_writes), kv_writes
 
 
 # ------------------------------------------------ pipeline parallelism (TP=1, 2 stages)
