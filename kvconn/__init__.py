@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "ReuseScope": "kvconn.hashing",
     "adopt_hashes": "kvconn.hashing",
     "block_hashes": "kvconn.hashing",
+    "Chunked": "kvconn.layout",
     "KvLayout": "kvconn.layout",
     "LayerGroup": "kvconn.layout",
     "NO_SLOT": "kvconn.layout",
@@ -95,6 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; nothing is imported at run
     from kvconn.hashing import block_hashes as block_hashes
     from kvconn.keys import parse_key as parse_key
     from kvconn.layout import NO_SLOT as NO_SLOT
+    from kvconn.layout import Chunked as Chunked
     from kvconn.layout import KvLayout as KvLayout
     from kvconn.layout import LayerGroup as LayerGroup
     from kvconn.layout import Region as Region

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvconn.errors import LayoutError
 from kvconn.keys import unprintable
@@ -314,6 +314,35 @@ class Region:
         )
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """The window of chunked local attention (Llama 4's ``attention_chunk_size``): the
+    tokens are cut into chunks of ``blocks`` blocks, and a token attends only to the
+    tokens of its own chunk before it. A reader that resumes after ``N`` blocks needs the
+    group's pages of blocks ``[N - N % blocks, N)``: none at all where ``N`` ends a chunk.
+    """
+
+    blocks: int
+
+    def __post_init__(self) -> None:
+        _positive_int(self.blocks, "blocks (per attention chunk)", "chunked window")
+
+
+#: Which blocks before the end of a hit a layer group's pages are needed for: ``None``
+#: every one, an ``int`` ``W`` the last ``W`` (a sliding window), or :class:`Chunked`.
+Window: TypeAlias = int | Chunked | None
+
+
+def window_start(window: Window, blocks: int) -> int:
+    """The first block whose pages of a group with ``window`` a reader resuming after
+    ``blocks`` blocks needs (``blocks`` itself: none of them)."""
+    if window is None:
+        return 0
+    if isinstance(window, Chunked):
+        return blocks - blocks % window.blocks
+    return max(0, blocks - window)
+
+
 #: A slot argument of ``save`` / ``load`` meaning "this layer group has no slot for this
 #: block" (vLLM's null block, outside a sliding window): that page is neither saved nor
 #: loaded, and a load does not count it against the block.
@@ -330,16 +359,16 @@ class LayerGroup:
     ``window`` is for sliding-window layers: a reader that resumes after ``N`` blocks
     needs this group's pages only for the last ``window`` of them, blocks
     ``[max(0, N - window), N)``, because the layers never attend further back. ``None``
-    (full attention) needs every block. It changes which pages a hit needs, not what a
-    page holds, so it is not part of any key: a windowed reader and a full one share
-    pages.
+    (full attention) needs every block; :class:`Chunked` the blocks of the attention
+    chunk ``N`` ends in. It changes which pages a hit needs, not what a page holds, so it
+    is not part of any key: a windowed reader and a full one share pages.
     """
 
     index: int
     num_slots: int
     regions: tuple[Region, ...]
     name: str = ""
-    window: int | None = None
+    window: Window = None
 
     def __post_init__(self) -> None:
         _positive_int(self.index, "index", "layer group", allow_zero=True)
@@ -352,8 +381,8 @@ class LayerGroup:
                 "without control or invisible characters"
             )
         where = self.label
-        if self.window is not None:
-            _positive_int(self.window, "window (blocks, or None)", where)
+        if self.window is not None and not isinstance(self.window, Chunked):
+            _positive_int(self.window, "window (blocks, Chunked, or None)", where)
         object.__setattr__(self, "regions", _items(self.regions, "regions", where))
         _positive_int(self.num_slots, "num_slots", where)
         if not self.regions:
@@ -463,7 +492,7 @@ class KvLayout:
                     "index": g.index,
                     "num_slots": g.num_slots,
                     "name": g.name,
-                    "window": g.window,
+                    "window": _window_record(g.window),
                     "regions": [_region_record(r) for r in g.regions],
                 }
                 for g in self.groups
@@ -479,9 +508,9 @@ class KvLayout:
         a newer or older kvconn is refused instead of half-read.
         """
         doc = _fields_of(data, "layout", _LAYOUT_FIELDS)
-        if doc["version"] != LAYOUT_DICT_VERSION:
+        if doc["version"] not in (3, LAYOUT_DICT_VERSION):
             raise LayoutError(
-                f"layout: version {doc['version']!r} is not {LAYOUT_DICT_VERSION} "
+                f"layout: version {doc['version']!r} is not 3 or {LAYOUT_DICT_VERSION} "
                 "(written by another kvconn release?)"
             )
         roles = [
@@ -497,7 +526,8 @@ class KvLayout:
             )
             if not isinstance(g["name"], str):
                 raise LayoutError(f"layout.groups[{i}]: name must be a string, got {g['name']!r}")
-            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"], g["window"]))
+            window = _window_from(g["window"], f"layout.groups[{i}]")
+            groups.append(LayerGroup(g["index"], g["num_slots"], regions, g["name"], window))
         return cls(
             tp_size=doc["tp_size"],
             tokens_per_block=doc["tokens_per_block"],
@@ -513,14 +543,27 @@ class KvLayout:
         raise KeyError(index)
 
 
-#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other. Version 2
-#: added each group's ``window``, version 3 each region's ``unit_layout``.
-LAYOUT_DICT_VERSION = 3
+#: Version of :meth:`KvLayout.to_dict`'s form; a reader refuses any other but 3, which
+#: this one extends. Version 2 added each group's ``window``, version 3 each region's
+#: ``unit_layout``, version 4 a chunked window (``{"chunk_blocks": N}``).
+LAYOUT_DICT_VERSION = 4
 _ROLE_FIELDS = ("name", "units", "dtype")
 _REGION_FIELDS = ("role", "layer", "base", "size", "stride", "num_slots", "pool", "unit_layout")
 _UNIT_FIELDS = ("units", "inner", "outer")
 _GROUP_FIELDS = ("index", "num_slots", "name", "window", "regions")
 _LAYOUT_FIELDS = ("version", "tp_size", "tokens_per_block", "roles", "groups", "pool_sizes")
+
+
+def _window_record(window: Window) -> int | dict[str, int] | None:
+    if isinstance(window, Chunked):
+        return {"chunk_blocks": window.blocks}
+    return window
+
+
+def _window_from(raw: Any, where: str) -> Window:
+    if isinstance(raw, Mapping):
+        return Chunked(_fields_of(raw, f"{where}.window", ("chunk_blocks",))["chunk_blocks"])
+    return raw  # type: ignore[no-any-return]  # LayerGroup validates it
 
 
 def _record(item: Role | Region | UnitLayout) -> dict[str, Any]:

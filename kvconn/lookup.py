@@ -32,7 +32,7 @@ from kvconn.config import ConnectorConfig
 from kvconn.errors import ArgumentError, ConfigError, ConnectorClosed, LayoutError
 from kvconn.hashing import DIGEST_SIZE
 from kvconn.keys import key_prefix, manifest_key, page_key, per_rank_key
-from kvconn.layout import KvLayout, shard_position
+from kvconn.layout import KvLayout, Window, shard_position
 from kvconn.lograte import DEFAULT_INTERVAL_S, LogInterval
 from kvconn.plan import (
     PagePlan,
@@ -326,10 +326,10 @@ class Lookup:
         blocks = ends[-1] if ends else 0
         return LookupResult(blocks, blocks * tokens, restorable=ends)
 
-    def _window_overrides(self, windows: Mapping[int, int | None] | None) -> dict[int, int | None]:
+    def _window_overrides(self, windows: Mapping[int, int | None] | None) -> dict[int, Window]:
         """``windows`` checked against the layout's groups (an :class:`ArgumentError`
         naming the group otherwise); what every group's window is for this lookup."""
-        groups = {g.index: g.window for g in self.layout.groups}
+        groups: dict[int, Window] = {g.index: g.window for g in self.layout.groups}
         if windows is None:
             return groups
         for group, window in windows.items():

@@ -14,7 +14,7 @@ from kvconn.errors import ConfigError
 from kvconn.integrity import DEFAULT as DEFAULT_CHECKSUM
 from kvconn.integrity import PageChecksum
 from kvconn.keys import page_key, page_key_stem, shard_component
-from kvconn.layout import KvLayout, Region, shard_position
+from kvconn.layout import Chunked, KvLayout, Region, Window, shard_position, window_start
 from kvconn.manifest import PageManifest
 
 
@@ -114,7 +114,7 @@ class PagePlan:
     part_regions: tuple[tuple[Region, ...], ...]
     #: The group's window in blocks (``LayerGroup.window``): which blocks a hit needs
     #: this page kind for. Not in the fingerprint: it does not change a page's bytes.
-    window: int | None = None
+    window: Window = None
 
     @property
     def parts(self) -> int:
@@ -288,8 +288,8 @@ def lookup_keys(
 
 
 def lookup_windows(
-    plans: Sequence[PagePlan], groups: Mapping[int, int | None] | None = None
-) -> list[int | None]:
+    plans: Sequence[PagePlan], groups: Mapping[int, Window] | None = None
+) -> list[Window]:
     """The window (in blocks, or ``None``) of each key :func:`lookup_keys` lists for one
     block, in the same order: what :func:`count_prefix_hit` needs to apply windows.
     ``groups`` gives each layer group's window instead of its plans' (one lookup's)."""
@@ -302,7 +302,7 @@ def lookup_windows(
 
 def count_prefix_hit(
     per_block_present: Sequence[Sequence[bool]],
-    windows: Sequence[int | None] | None = None,
+    windows: Sequence[Window] | None = None,
 ) -> int:
     """The hit in blocks: the largest ``N`` whose every needed page is present (rule 3).
 
@@ -325,7 +325,7 @@ def count_prefix_hit(
 
 def restorable_prefixes(
     per_block_present: Sequence[Sequence[bool]],
-    windows: Sequence[int | None] | None = None,
+    windows: Sequence[Window] | None = None,
 ) -> list[int]:
     """Every ``N >= 1``, ascending, whose every needed page is present (as
     :func:`count_prefix_hit`, which is the largest of them).
@@ -348,24 +348,28 @@ def restorable_prefixes(
                 last_missing[j] = n - 1
         if any(last_missing[j] >= 0 for j, w in enumerate(windows) if w is None):
             break  # a full page is missing: no longer prefix can be a hit either
-        if all(last_missing[j] < max(0, n - w) for j, w in enumerate(windows) if w is not None):
+        windowed = ((j, w) for j, w in enumerate(windows) if w is not None)
+        if all(last_missing[j] < window_start(w, n) for j, w in windowed):
             found.append(n)
     return found
 
 
-def _windowless(windows: Sequence[int | None] | None) -> bool:
+def _windowless(windows: Sequence[Window] | None) -> bool:
     """Whether no page has a window (checking that each window is one)."""
     if windows is None:
         return True
     if any(
-        w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows
+        w is not None
+        and not isinstance(w, Chunked)
+        and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
+        for w in windows
     ):
-        raise ValueError(f"windows must be None or ints >= 1, got {list(windows)}")
+        raise ValueError(f"windows must be None, ints >= 1 or Chunked, got {list(windows)}")
     return all(w is None for w in windows)
 
 
 def _full_prefix(
-    per_block_present: Sequence[Sequence[bool]], windows: Sequence[int | None] | None
+    per_block_present: Sequence[Sequence[bool]], windows: Sequence[Window] | None
 ) -> int:
     """The longest prefix of blocks whose every page is present."""
     hit = 0
@@ -378,7 +382,7 @@ def _full_prefix(
     return hit
 
 
-def _check_page_count(block: int, present: Sequence[bool], windows: Sequence[int | None]) -> None:
+def _check_page_count(block: int, present: Sequence[bool], windows: Sequence[Window]) -> None:
     if len(present) != len(windows):
         raise ValueError(f"block {block} has {len(present)} pages, windows name {len(windows)}")
 

@@ -22,7 +22,7 @@ from kvconn.errors import (
 from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.integrity import PageChecksum
 from kvconn.keys import LAYOUT, parse_key, parse_manifest_key
-from kvconn.layout import NO_SLOT, KvLayout, LayerGroup, Region, Role
+from kvconn.layout import NO_SLOT, Chunked, KvLayout, LayerGroup, Region, Role
 from kvconn.manifest import PageManifest
 from kvconn.plan import WriterPolicy, share_key
 from kvconn.tools.models import RoleSpec, interleaved_layout, minimax_m3
@@ -409,6 +409,23 @@ def test_a_hit_with_a_sliding_group_needs_its_pages_only_inside_the_window(store
     assert group[0].lookup(HASHES[:3]).blocks == 0  # blocks 1-2 are its window: 1 is gone
     del store.data[next(k for k in store.data if "/lg0/" in k and k.endswith(HASHES[2].hex()))]
     assert group[0].lookup(HASHES[:4]).blocks == 0  # full attention needs every block
+
+
+def test_a_chunked_group_needs_its_pages_only_in_the_chunk_the_hit_ends_in(store):
+    """Chunked local attention of 2-block chunks (Llama 4's layers): a 4-block hit ends
+    a chunk and needs none of that group's pages; a 3-block hit needs block 2's."""
+    group = hybrid_pair(store, sliding_layout(window=Chunked(2)))
+    for conn in group:
+        conn.save(HASHES[:4], {0: FULL_SLOTS, 1: SLIDING_SLOTS})
+    for block in (0, 1, 3):
+        for key in [k for k in store.data if "/lg1/" in k and k.endswith(HASHES[block].hex())]:
+            del store.data[key]
+    assert [c.lookup(HASHES[:4]).blocks for c in group] == [4, 4]
+    assert group[0].lookup(HASHES[:3]).blocks == 3
+    assert group[0].lookup(HASHES[:4]).restorable == (2, 3, 4)
+    for key in [k for k in store.data if "/lg1/" in k and k.endswith(HASHES[2].hex())]:
+        del store.data[key]
+    assert group[0].lookup(HASHES[:3]).blocks == 2
 
 
 def test_a_group_with_no_slot_for_a_block_neither_saves_nor_loads_its_page(store):

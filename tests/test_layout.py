@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconn.errors import LayoutError
-from kvconn.layout import KvLayout, LayerGroup, Region, Role, _strided_overlap, shard_position
+from kvconn.layout import (
+    Chunked,
+    KvLayout,
+    LayerGroup,
+    Region,
+    Role,
+    Window,
+    _strided_overlap,
+    shard_position,
+)
 from kvconn.plan import plan_pages
 
 
@@ -235,7 +244,7 @@ def test_regions_in_a_set_are_refused_because_their_order_is_the_page_order():
     assert LayerGroup(0, 4, [_REGION, other]).regions == (_REGION, other)  # type: ignore[arg-type]
 
 
-def _two_pool_layout() -> KvLayout:
+def _two_pool_layout(window: Window = 2) -> KvLayout:
     roles = (Role("k", 2, "bf16"), Role("v", 2, "bf16"), Role("index_k", 1, "fp8+scale"))
     groups = (
         LayerGroup(0, 4, (Region("k", 0, 0, 64, 128, 4), Region("v", 0, 64, 64, 128, 4))),
@@ -244,14 +253,15 @@ def _two_pool_layout() -> KvLayout:
             2,
             (Region("index_k", 1, 0, 32, 32, 2, pool=1), Region("k", 1, 512, 8, 8, 2)),
             "swa",
-            window=2,
+            window=window,
         ),
     )
     return KvLayout(2, 32, roles, groups, (600, 64))
 
 
-def test_a_layout_round_trips_through_json_exactly():
-    original = _two_pool_layout()
+@pytest.mark.parametrize("window", [2, Chunked(4)])
+def test_a_layout_round_trips_through_json_exactly(window):
+    original = _two_pool_layout(window)
     text = json.dumps(original.to_dict())
     restored = KvLayout.from_dict(json.loads(text))
     assert restored == original
@@ -264,9 +274,20 @@ def test_a_layout_round_trips_through_json_exactly():
     [
         (lambda d: d.pop("tp_size"), r"layout: missing field\(s\) \['tp_size'\]"),
         (lambda d: d.update(pools=[1]), r"unknown field\(s\) \['pools'\]"),
-        (lambda d: d.update(version=2), "version 2 is not 3"),
+        (lambda d: d.update(version=2), "version 2 is not 3 or 4"),
+        (
+            lambda d: d["groups"][1].update(window={"chunk": 4}),
+            r"groups\[1\].window: missing field\(s\) \['chunk_blocks'\]",
+        ),
+        (
+            lambda d: d["groups"][1].update(window={"chunk_blocks": 0}),
+            r"blocks \(per attention chunk\) must be > 0",
+        ),
         (lambda d: d["groups"][0].pop("window"), r"groups\[0\]: missing field\(s\) \['window'\]"),
-        (lambda d: d["groups"][1].update(window=0), r"window \(blocks, or None\) must be > 0"),
+        (
+            lambda d: d["groups"][1].update(window=0),
+            r"window \(blocks, Chunked, or None\) must be > 0",
+        ),
         (lambda d: d.update(groups={}), "layout.groups: must be a list"),
         (lambda d: d["roles"][0].update(units="2"), "units must be an int"),
         (lambda d: d["groups"][1]["regions"][0].pop("pool"), r"regions\[0\]: missing.*'pool'"),
@@ -284,7 +305,14 @@ def test_a_layout_dict_is_validated_on_the_way_in(edit, message):
 
 @pytest.mark.parametrize("window", [0, -2, 1.5, True, "2"])
 def test_a_group_window_is_a_number_of_blocks_or_none(window):
-    with pytest.raises(LayoutError, match=r"layer group 0: window \(blocks, or None\) must"):
+    with pytest.raises(LayoutError, match=r"layer group 0: window \(blocks, Chunked, or None\)"):
         LayerGroup(0, 4, (_REGION,), window=window)
     assert LayerGroup(0, 4, (_REGION,), window=3).window == 3
+    assert LayerGroup(0, 4, (_REGION,), window=Chunked(8)).window == Chunked(8)
     assert LayerGroup(0, 4, (_REGION,)).window is None
+
+
+def test_a_version_3_layout_dict_still_reads():
+    """Version 4 only added the chunked window's form; a version 3 dict means the same."""
+    data = _two_pool_layout().to_dict() | {"version": 3}
+    assert KvLayout.from_dict(data) == _two_pool_layout()

@@ -3,7 +3,7 @@ import pytest
 from kvconn.errors import ConfigError
 from kvconn.hashing import block_hashes
 from kvconn.keys import key_prefix, shard_component
-from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.layout import Chunked, KvLayout, LayerGroup, Region, Role
 from kvconn.plan import (
     WriterPolicy,
     count_prefix_hit,
@@ -160,8 +160,26 @@ def test_a_full_page_missing_ends_the_restorable_prefixes_whatever_the_window():
     assert restorable_prefixes(present, [None, 1]) == [1]
 
 
+def test_a_chunked_group_needs_only_the_blocks_of_the_chunk_the_hit_ends_in():
+    """Chunked local attention of 2-block chunks: a hit of N blocks needs that group's
+    blocks [N - N % 2, N), which is none where N ends a chunk (vLLM's
+    ChunkedLocalAttentionManager pads the rest with null blocks)."""
+    chunked = [None, Chunked(2)]
+    present = [[T, F], [T, F], [T, T], [T, F], [T, F]]
+    # N=1 needs block 0 (missing), N=2 nothing, N=3 block 2, N=4 nothing, N=5 block 4
+    assert restorable_prefixes(present, chunked) == [2, 3, 4]
+    assert count_prefix_hit(present, chunked) == 4
+    assert count_prefix_hit(present, [None, 2]) == 0  # a sliding window would need 3-4
+    assert restorable_prefixes([[F], [F], [F], [T]], [Chunked(3)]) == [3, 4]
+
+
+def test_a_chunked_window_still_needs_every_full_attention_block():
+    present = [[T, T], [F, T], [T, T], [T, T]]
+    assert restorable_prefixes(present, [None, Chunked(2)]) == [1]
+
+
 def test_windows_must_be_positive_and_name_every_page_of_a_block():
-    with pytest.raises(ValueError, match="windows must be None or ints >= 1"):
+    with pytest.raises(ValueError, match="windows must be None, ints >= 1 or Chunked"):
         count_prefix_hit([[T, T]], [None, 0])
     with pytest.raises(ValueError, match="block 0 has 2 pages, windows name 1"):
         count_prefix_hit([[T, T]], [None])

@@ -24,8 +24,9 @@ request as a failed receive (several groups, which vLLM 0.32 takes only per requ
 vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 
 Hybrid models (``SupportsHMA``): vLLM keeps its hybrid KV-cache manager on, and each of
-its KV-cache groups (full attention, sliding window, Mamba state) is a kvconn layer
-group; a sliding group's null blocks outside its window are kvconn's ``NO_SLOT``. A
+its KV-cache groups (full attention, sliding window, chunked local attention, Mamba
+state) is a kvconn layer group; a sliding or chunked group's null blocks outside its
+window are kvconn's ``NO_SLOT``. A
 Mamba group (``mamba_cache_mode="align"``) has window 1: a hit needs the state after its
 last block. Its states are saved from the blocks vLLM names in the step's
 ``boundary_state_offloads``, captured in that step's ``wait_for_save``, before vLLM may

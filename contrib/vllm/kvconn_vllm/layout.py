@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from kvconn.errors import LayoutError
-from kvconn.layout import KvLayout, LayerGroup, Region, Role
+from kvconn.layout import Chunked, KvLayout, LayerGroup, Region, Role, Window
 
 _NUMBER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
 
@@ -79,13 +79,14 @@ class LayerBytes:
 
 @dataclass(frozen=True)
 class CacheGroup:
-    """One vLLM KV-cache group: its layers in vLLM's order, its window in blocks
-    (sliding-window attention, 1 for a Mamba state; ``None`` for full attention), and
-    its kind (``attention`` or ``mamba``)."""
+    """One vLLM KV-cache group: its layers in vLLM's order, its window (blocks of a
+    sliding window, 1 for a Mamba state, :class:`~kvconn.layout.Chunked` for chunked
+    local attention; ``None`` for full attention), and its kind (``attention`` or
+    ``mamba``)."""
 
     index: int
     layers: tuple[tuple[str, LayerBytes], ...]
-    window: int | None = None
+    window: Window = None
     kind: str = "attention"
 
 
@@ -202,6 +203,8 @@ def _heads_dim(tensor: torch.Tensor, num_blocks: int, what: LayerBytes, tp_size:
 def _group_name(group: CacheGroup) -> str:
     if group.kind != "attention" or group.window is None:
         return group.kind
+    if isinstance(group.window, Chunked):
+        return f"chunked{group.window.blocks}"
     return f"sliding{group.window}"
 
 

@@ -16,6 +16,11 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
   hit of ``N`` blocks needs only the group's last ``cdiv(sliding_window - 1 +
   extra_retained_tokens, block_size)`` of them, exactly the blocks vLLM keeps real (the
   rest are its null block) when it allocates such a hit.
+* ``ChunkedLocalAttentionSpec`` (Llama 4's local layers): the same bytes, attending only
+  within chunks of ``attention_chunk_size`` tokens. A hit of ``N`` blocks needs the
+  group's blocks of the chunk it ends in, ``[N - N % (chunk / block_size), N)``, none where
+  ``N`` ends a chunk: what vLLM's ``ChunkedLocalAttentionManager`` keeps real (the rest
+  are its null block). The chunk must be a whole number of blocks.
 * ``MambaSpec`` (Mamba, Gated DeltaNet and other linear-attention layers) in vLLM's
   ``mamba_cache_mode="align"``: a block's page holds the recurrent state after that
   block's last token (vLLM hands the connector each state as its raw bytes,
@@ -25,8 +30,8 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
   state is not positional in that mode: vLLM names each committed state's block in
   ``boundary_state_offloads`` (the connector saves exactly those). Other cache modes
   keep no per-block state to store, and are refused.
-* Any other spec (chunked local attention, sink or R-SWA attention, cross attention,
-  DeepSeek-V4's compressed caches…) is refused: its blocks are not plain per-token KV
+* Any other spec (sink or R-SWA attention, cross attention, DeepSeek-V4's compressed
+  caches…) is refused: its blocks are not plain per-token KV
   with the rules above.
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -45,6 +51,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvconn.errors import ConfigError
+from kvconn.layout import Chunked, Window
 from kvconn_vllm.layout import CacheGroup, LayerBytes
 
 if TYPE_CHECKING:
@@ -52,7 +59,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["cache_groups", "dtype_tag", "mamba_bytes", "window_blocks"]
+__all__ = ["cache_groups", "chunk_window", "dtype_tag", "mamba_bytes", "window_blocks"]
 
 
 def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
@@ -115,7 +122,11 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
             groups.append(CacheGroup(index, layers, window=1, kind="mamba"))
             continue
         spec = group.kv_cache_spec
-        window = window_blocks(spec, block_size) if isinstance(spec, SlidingWindowSpec) else None
+        window: Window = None
+        if isinstance(spec, SlidingWindowSpec):
+            window = window_blocks(spec, block_size)
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            window = chunk_window(spec, block_size, model)
         groups.append(CacheGroup(index, layers, window))
     if not groups:
         raise ConfigError(f"kvconn's vLLM adapter found no KV cache it can store in {model}")
@@ -138,8 +149,8 @@ def layer_bytes(
             )
         role = "index_k" if spec.cache_role is SparseCacheRole.INDEXER else "latent"
         return LayerBytes(role, 1)
-    if kind in (FullAttentionSpec, SlidingWindowSpec):
-        assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
+    if kind in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
+        assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
         if spec.tokens_per_state != 1:
             raise ConfigError(
                 f"kvconn's vLLM adapter does not support {model}'s {layer}: "
@@ -148,7 +159,8 @@ def layer_bytes(
         return LayerBytes("kv", total_kv_heads)
     raise ConfigError(
         f"kvconn's vLLM adapter does not support {kind.__name__} layers ({model}: {layer}); "
-        "it stores full attention, sliding-window attention and MLA caches"
+        "it stores full, sliding-window and chunked local attention, MLA caches and "
+        "Mamba states"
     )
 
 
@@ -192,6 +204,19 @@ def window_blocks(spec: SlidingWindowSpec, block_size: int) -> int:
     """
     tokens = int(spec.sliding_window) - 1 + int(spec.extra_retained_tokens)
     return max(1, -(-tokens // block_size))
+
+
+def chunk_window(spec: ChunkedLocalAttentionSpec, block_size: int, model: str) -> Chunked:
+    """The blocks of one attention chunk, which a hit needs from the start of the chunk
+    it ends in (``ChunkedLocalAttentionManager.find_longest_cache_hit``)."""
+    chunk = int(spec.attention_chunk_size)
+    if chunk % block_size:
+        raise ConfigError(
+            f"kvconn's vLLM adapter needs {model}'s attention chunk ({chunk} tokens) to be "
+            f"a whole number of {block_size}-token blocks: choose a block_size that "
+            "divides it"
+        )
+    return Chunked(chunk // block_size)
 
 
 def dtype_tag(vllm_config: VllmConfig, layer: str, tensor: torch.Tensor) -> str:

@@ -126,6 +126,36 @@ def make_tiny_qwen3_next(path: str, seed: int = 0) -> None:
     Qwen3NextForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+#: The tiny Llama 4's attention chunk (tokens): two of the tests' 32-token blocks.
+LLAMA4_CHUNK = 64
+
+
+def make_tiny_llama4(path: str, seed: int = 0) -> None:
+    """A random 4-layer Llama 4 text model: three chunked local attention layers (64-token
+    chunks, RoPE) and a full-attention one (NoPE), every layer a 4-expert MoE."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    config = Llama4TextConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        intermediate_size_mlp=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=LLAMA4_CHUNK,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    Llama4ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
 #: Model name -> maker(path).
 MODELS: dict[str, Callable[[str], None]] = {
     "llama-1kv": lambda path: make_tiny_llama(path, 1),
@@ -136,6 +166,7 @@ MODELS: dict[str, Callable[[str], None]] = {
     "deepseek-v2": make_tiny_deepseek_v2,
     "gemma3": make_tiny_gemma3,
     "qwen3-next": make_tiny_qwen3_next,
+    "llama4": make_tiny_llama4,
 }
 
 

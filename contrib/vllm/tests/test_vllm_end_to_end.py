@@ -10,7 +10,9 @@ over an LMDB store in a temporary directory.
 * Qwen3-Next (a Gated DeltaNet linear-attention layer and a full-attention layer) at
   TP=1 and TP=2, bfloat16, vLLM's ``mamba_cache_mode="align"`` with its prefix cache
   on and emptied before each later generation (vLLM names the blocks that hold a state
-  only with its cache on), and refused at start-up in vLLM's default cache mode.
+  only with its cache on), and refused at start-up in vLLM's default cache mode;
+* Llama 4 at TP=1 and TP=2: three chunked local attention layers (64-token chunks) and a
+  full-attention one, each a KV-cache group of vLLM's hybrid manager.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
 per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
@@ -19,7 +21,8 @@ often, with the test backend deleting a page first: the Llama at TP=1 with 2 KV 
 between lookup and load; the Gemma-3 at TP=1 a sliding-window page outside the window
 at the lookup of a third run, then a page between lookup and load of a fourth; the
 pipeline's engine a page only its second stage holds at the lookup of a third run, then
-a page between lookup and load of a fourth.
+a page between lookup and load of a fourth; the Llama 4 at TP=1 a local page outside the
+hit's chunk at the lookup of a third run, then one inside it at a fourth's.
 """
 
 from __future__ import annotations
@@ -173,6 +176,32 @@ MAMBA = {
         prompt_tokens=700,
     ),
 }
+#: Llama 4: chunked local attention in layers 0-2 (64-token chunks: two blocks), full
+#: attention in layer 3, each layer a KV-cache group of its own. 230 tokens: seven full
+#: blocks, so a hit ends inside the chunk of blocks 6-7 and needs block 6's local pages.
+LLAMA4_PAGES = 4
+CHUNKED = {
+    "llama4-tp1": Case(
+        "llama4",
+        1,
+        {f"lg{g}/w1r0": 1 for g in range(LLAMA4_PAGES)},
+        args=(
+            "--backend",
+            "lmdb-drop-on-load",
+            "--marker",
+            "3:drop-at-lookup:0:-2",
+            "--marker",
+            "4:drop-at-lookup:0:last",
+        ),
+        prompt_tokens=230,
+    ),
+    "llama4-tp2": Case(
+        "llama4",
+        2,
+        {f"lg{g}/w2r{r}": 1 for g in range(LLAMA4_PAGES) for r in range(2)},
+        prompt_tokens=230,
+    ),
+}
 #: The same engines with vLLM's own reference connector (files per layer) instead.
 REFERENCES = {
     f"{name}-example": Case(
@@ -227,7 +256,7 @@ def engine_run(
 
     def run(name: str) -> EngineRun:
         if name not in runs:
-            case = CASES.get(name) or MAMBA.get(name) or REFERENCES[name]
+            case = CASES.get(name) or MAMBA.get(name) or CHUNKED.get(name) or REFERENCES[name]
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
             result, log = run_case(tiny_model(case.model), store, case)
             runs[name] = (store, result, log)
@@ -448,3 +477,47 @@ def test_a_linear_attention_model_outside_vllms_align_cache_mode_is_refused_at_s
     log = done.stdout + done.stderr
     assert done.returncode != 0
     assert "model.layers.0.linear_attn" in log and "mamba_cache_mode='align'" in log, log[-6000:]
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_a_chunked_local_attention_hit_loads_the_chunk_it_ends_in_with_identical_logprobs(
+    name: str, engine_run: Callable[[str], EngineRun]
+) -> None:
+    """The second generation loads 7 blocks: every full-attention page, and of the local
+    layers only block 6 (the chunk of blocks 6-7 the hit ends in; vLLM gives blocks 0-5
+    its null block). The token after the hit attends to block 6's local K/V, so a wrong
+    or missing load would change the logprobs."""
+    case = CHUNKED[name]
+    store, result, log = engine_run(name)
+    first, second = result["runs"][:2]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == 7 * 32
+    assert second["token_ids"] == first["token_ids"]
+    assert second["logprobs"] == first["logprobs"]
+    blocks = pages_per_block(store)
+    assert len(blocks) == 7
+    if name == "llama4-tp2":
+        assert all(dict(pages) == case.pages for pages in blocks.values()), blocks
+    assert "did not load" not in log
+
+
+def test_a_local_page_outside_the_hits_chunk_is_not_needed_and_one_inside_shortens_the_hit(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """The third run's lookup finds block 5's page of local layer 0 deleted: a 7-block
+    hit does not need it (block 5 ends the chunk before the hit's; a two-block sliding
+    window would need it, and cut the hit to 5 blocks). The fourth run's finds block 6's
+    deleted, which the 7-block hit needs: the hit is the 6 blocks that end a chunk,
+    which need no local page at all, and vLLM computes block 6 and saves it again."""
+    store, result, log = engine_run("llama4-tp1")
+    first, _, third, fourth = result["runs"]
+    assert not (store / "drop-at-lookup").exists()  # both deletions happened
+    assert third["num_cached_tokens"] == 7 * 32
+    assert fourth["num_cached_tokens"] == 6 * 32
+    for run in (third, fourth):
+        assert run["token_ids"] == first["token_ids"]
+        assert run["logprobs"] == first["logprobs"]
+    assert "did not load" not in log
+    blocks = pages_per_block(store)
+    missing = [b for b, pages in blocks.items() if dict(pages) != CHUNKED["llama4-tp1"].pages]
+    assert len(missing) == 1  # block 5's local page, never recomputed (a hit both times)

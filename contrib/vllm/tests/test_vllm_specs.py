@@ -26,6 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -38,7 +39,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvconn.errors import ConfigError
-from kvconn.layout import KvLayout
+from kvconn.layout import Chunked, KvLayout
 from kvconn.lograte import LogInterval
 from kvconn.plan import plan_pages
 from kvconn_vllm.connector import KvconnConnector
@@ -347,11 +348,48 @@ def test_a_mamba_group_vllm_does_not_prefix_cache_is_refused(
 def test_layers_of_an_unsupported_kind_are_refused(tiny_model: Callable[[str], Path]) -> None:
     config = engine_config(tiny_model("llama-2kv"))
     config.cache_config.block_size = 32
-    chunked = ChunkedLocalAttentionSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32, attention_chunk_size=64
-    )
-    with pytest.raises(ConfigError, match="does not support ChunkedLocalAttentionSpec layers"):
-        connector(config, [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], chunked)])
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="does not support CrossAttentionSpec layers"):
+        connector(config, [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], cross)])
+
+
+def llama4_specs(chunk: int = 64) -> dict[str, KVCacheSpec]:
+    """Llama 4's layers as vLLM declares them: chunked local attention in three of four
+    (``ChunkedLocalAttention.get_kv_cache_spec``), full attention in the fourth."""
+    kv = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    return {
+        f"model.layers.{i}.self_attn.attn": (
+            FullAttentionSpec(**kv)
+            if i == 3
+            else ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **kv)
+        )
+        for i in range(4)
+    }
+
+
+def test_a_chunked_local_attention_group_needs_the_blocks_of_the_chunk_a_hit_ends_in(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = engine_config(tiny_model("llama-2kv"))
+    kv_cache_config, caches = allocate(config, llama4_specs(), "CPU_ATTN")
+    groups = cache_groups(config, kv_cache_config)
+    windows = {layer: group.window for group in groups for layer, _ in group.layers}
+    assert windows == {
+        **{f"model.layers.{i}.self_attn.attn": Chunked(2) for i in range(3)},
+        "model.layers.3.self_attn.attn": None,
+    }
+    layout = derive(config, kv_cache_config, caches, tp=1)
+    assert {g.name for g in layout.groups} == {"chunked2", "attention"}
+    assert all(dict(p.role_bytes) == {"kv": 2 * 32 * 2 * 64 * 4} for p in plan_pages(layout))
+
+
+def test_an_attention_chunk_of_no_whole_number_of_blocks_is_refused(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    config = engine_config(tiny_model("llama-2kv"))
+    kv_cache_config, _ = allocate(config, llama4_specs(chunk=48), "CPU_ATTN")
+    with pytest.raises(ConfigError, match=r"attention chunk \(48 tokens\) to be a whole number"):
+        cache_groups(config, kv_cache_config)
 
 
 def test_kv_cache_groups_with_another_block_size_are_refused(

@@ -14,7 +14,8 @@ in the store directory (and disarmed when used):
   from the stored layout manifests) -- for a sliding-window group, the page of the
   prompt's first block, which falls outside the window of a longer hit; under pipeline
   parallelism, a page only the stage holding those layers has. ``0,2:last`` deletes
-  the last page of that kind it asks for instead (a Mamba state at the hit's end).
+  the last page of that kind it asks for instead (a Mamba state at the hit's end), and
+  ``0,2:-2`` the one before it (any index into the pages of that kind it asks for).
 """
 
 from __future__ import annotations
@@ -71,11 +72,9 @@ class DropOnLoadBackend(LmdbBackend):
         if marker.exists():
             numbers, _, which = marker.read_text().partition(":")
             kind = self._kind_of({int(n) for n in numbers.split(",")})
-            ordered = reversed(keys) if which == "last" else iter(keys)
-            chosen = next(
-                (k for k in ordered if (p := parse_key(k)) and (p.group, p.fingerprint) == kind),
-                None,
-            )
+            index = -1 if which == "last" else int(which or 0)
+            of_kind = [k for k in keys if (p := parse_key(k)) and (p.group, p.fingerprint) == kind]
+            chosen = of_kind[index] if -len(of_kind) <= index < len(of_kind) else None
             if chosen is not None and _take(marker):
                 self._delete([chosen])
         return super()._exists(keys)
