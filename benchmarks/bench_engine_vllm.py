@@ -123,12 +123,18 @@ and 4 value heads of 64), bfloat16 (vLLM's CPU linear attention needs it), in
 step's end) by every configuration alike, and vLLM's ``mamba_cache_mode="align"``. A
 connector's engines then run with vLLM's prefix cache on (vLLM names the blocks that
 hold a state only then): the fresh engine's hit comes from the store, its repeat from
-vLLM's cache.
+vLLM's cache. ``--arch llama4`` measures chunked local attention (ttft and inside
+figures): a random Llama 4 text model as wide (every layer a MoE of 8 experts of 2432,
+one a token, and a shared one of 2432), every fourth layer full attention (NoPE) and
+the others chunked local attention with ``--chunk-tokens`` (1,024) chunks, fp32,
+32-token blocks; vLLM keeps its hybrid KV-cache manager on (its default for such a
+model), so a hit needs the local layers' blocks of the chunk it ends in only.
 
     nox -s bench_vllm                                      # the full run (hours on 2 cores)
     nox -s bench_vllm -- --layers 2 --prompt-tokens 512 --trials 1 --tp 1
     .nox/bench_vllm/bin/python benchmarks/bench_engine_vllm.py --figures ttft inside --json out.json
     nox -s bench_vllm -- --arch qwen3-next --figures ttft --configs none prefix kvconn-lmdb
+    nox -s bench_vllm -- --arch llama4 --figures ttft --configs none prefix example kvconn-lmdb
 """
 
 from __future__ import annotations
@@ -360,12 +366,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=24, help="model layers (24, Qwen2.5-0.5B's)")
     parser.add_argument(
         "--arch",
-        choices=("qwen2", "qwen3-next"),
+        choices=("qwen2", "qwen3-next", "llama4"),
         default="qwen2",
         help="qwen2 (Qwen2.5-0.5B's geometry, fp32); qwen3-next: the same width with three "
         "Gated DeltaNet layers to one attention layer, bfloat16, vLLM's "
-        'mamba_cache_mode="align" and its prefix cache on for every connector (ttft and '
-        "inside figures)",
+        'mamba_cache_mode="align" and its prefix cache on for every connector; llama4: '
+        "the same width with three chunked local attention layers to one full, fp32 "
+        "(qwen3-next and llama4: ttft and inside figures)",
+    )
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=1024,
+        help="--arch llama4: the attention chunk of its local layers (1024)",
     )
     parser.add_argument(
         "--prompt-tokens", type=int, default=2048, help="the hit prompt's length (2048)"
@@ -436,8 +449,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not block <= args.prefix_tokens <= args.prompt_tokens or args.prefix_tokens % block:
         parser.error(f"--prefix-tokens must be a multiple of {block}, at most --prompt-tokens")
     internal = args.make_model or args.engine_job
-    if args.arch == "qwen3-next" and not internal and not set(args.figures) <= {"ttft", "inside"}:
-        parser.error("--arch qwen3-next measures the ttft and inside figures: give --figures")
+    if args.arch != "qwen2" and not internal and not set(args.figures) <= {"ttft", "inside"}:
+        parser.error(f"--arch {args.arch} measures the ttft and inside figures: give --figures")
+    if args.chunk_tokens < BLOCK or args.chunk_tokens % BLOCK:
+        parser.error(f"--chunk-tokens must be a multiple of {BLOCK}")
     if args.layers < 1:
         parser.error("--layers must be >= 1")
     if args.pp > 1 and (args.tp != [1] or set(args.figures) != {"ttft"}):
@@ -494,6 +509,30 @@ def make_hybrid_model(path: str, layers: int) -> None:
         layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
     )
     Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def make_chunked_model(path: str, layers: int, chunk: int) -> None:
+    """A random Llama 4 text model as wide as Qwen2.5-0.5B: every fourth layer full
+    attention (NoPE), the others chunked local attention of ``chunk`` tokens; every
+    layer a MoE of 8 experts of 2432 (one a token) and a shared expert of 2432 (4864 a
+    token, as Qwen2.5-0.5B's MLP); vocabulary 32,000, fp32."""
+    import torch
+    from transformers import (  # type: ignore[import-not-found]  # the engine's environment
+        Llama4ForCausalLM,
+        Llama4TextConfig,
+    )
+
+    torch.manual_seed(0)
+    width = qwen_width(layers) | {"intermediate_size": 2432, "intermediate_size_mlp": 2432}
+    config = Llama4TextConfig(
+        **width,
+        num_local_experts=8,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=chunk,
+        no_rope_layer_interval=4,
+    )
+    Llama4ForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
 def make_model(path: str, layers: int) -> None:
@@ -844,7 +883,7 @@ class Runner:
 
     def engine_args(self) -> dict[str, Any]:
         """The engine arguments of the model: the same for every configuration."""
-        if self.args.arch == "qwen2":
+        if self.args.arch != "qwen3-next":
             return {"dtype": "float32"}
         return {
             "dtype": "bfloat16",
@@ -1636,7 +1675,9 @@ class Results:
 def run_all(args: argparse.Namespace, work: Path) -> Results:
     results = Results()
     figures = set(args.figures)
-    model = work / "model"
+    # a --workdir reused with another model keeps each model apart
+    chunk = f"-chunk{args.chunk_tokens}" if args.arch == "llama4" else ""
+    model = work / f"model-{args.arch}-{args.layers}l{chunk}"
     if not (model / "config.json").exists():
         print(f"making the model ({args.layers} layers) ...", file=sys.stderr)
         subprocess.run(
@@ -1649,6 +1690,8 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
                 str(args.layers),
                 "--arch",
                 args.arch,
+                "--chunk-tokens",
+                str(args.chunk_tokens),
             ],
             check=True,
         )
@@ -2174,6 +2217,8 @@ GEOMETRY = {
     "qwen2": "Qwen2.5-0.5B geometry, fp32",
     "qwen3-next": "Qwen3-Next at Qwen2.5-0.5B's width (3 Gated DeltaNet layers to 1 "
     "attention layer), bfloat16, mamba_cache_mode=align, prefill chunks of one block",
+    "llama4": "Llama 4 at Qwen2.5-0.5B's width (3 chunked local attention layers to 1 full "
+    "attention layer), fp32",
 }
 
 
@@ -2187,7 +2232,8 @@ def header(args: argparse.Namespace) -> str:
     return (
         f"{', '.join(versions)}; {os.cpu_count()} CPUs ({cpu_model()}), load average "
         f"{loadavg()} at the start; "
-        f"{GEOMETRY[args.arch]}, {args.layers} layers, block {args.block}; "
+        f"{GEOMETRY[args.arch]}, {args.layers} layers, block {args.block}"
+        f"{f', {args.chunk_tokens}-token chunks' if args.arch == 'llama4' else ''}; "
         f"{args.trials} trial(s), configurations interleaved, one engine process each; medians"
     )
 
@@ -2195,8 +2241,11 @@ def header(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make_model:
-        maker = make_hybrid_model if args.arch == "qwen3-next" else make_model
-        maker(args.make_model, args.layers)
+        if args.arch == "llama4":
+            make_chunked_model(args.make_model, args.layers, args.chunk_tokens)
+        else:
+            maker = make_hybrid_model if args.arch == "qwen3-next" else make_model
+            maker(args.make_model, args.layers)
         return 0
     if args.engine_job:
         job = json.loads(Path(args.engine_job).read_text())

@@ -290,9 +290,10 @@ def lookup_keys(
 def lookup_windows(
     plans: Sequence[PagePlan], groups: Mapping[int, Window] | None = None
 ) -> list[Window]:
-    """The window (in blocks, or ``None``) of each key :func:`lookup_keys` lists for one
-    block, in the same order: what :func:`count_prefix_hit` needs to apply windows.
-    ``groups`` gives each layer group's window instead of its plans' (one lookup's)."""
+    """The window (blocks, :class:`~kvconn.layout.Chunked`, or ``None``) of each key
+    :func:`lookup_keys` lists for one block, in the same order: what
+    :func:`count_prefix_hit` needs to apply windows. ``groups`` gives each layer group's
+    window instead of its plans' (one lookup's)."""
     return [
         p.window if groups is None else groups[p.group]
         for p in plans
@@ -310,7 +311,8 @@ def count_prefix_hit(
     pages of a block in :func:`lookup_keys` order); ``windows[j]`` is page ``j``'s window
     (:func:`lookup_windows`). A page without a window is needed for every block
     ``[0, N)``; one with window ``W`` only for ``[max(0, N - W), N)``, so a sliding-window
-    group's evicted early pages do not shorten the hit. Without windows this is the
+    group's evicted early pages do not shorten the hit, and one with ``Chunked(K)`` for
+    ``[N - N % K, N)`` (:func:`~kvconn.layout.window_start`). Without windows this is the
     longest prefix of blocks whose every page is present.
 
     With windows the answer is not a prefix property: ``N`` may be a hit while ``N - 1``
