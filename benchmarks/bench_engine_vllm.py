@@ -156,7 +156,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -366,7 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=24, help="model layers (24, Qwen2.5-0.5B's)")
     parser.add_argument(
         "--arch",
-        choices=("qwen2", "qwen3-next", "llama4"),
+        choices=tuple(ARCHS),
         default="qwen2",
         help="qwen2 (Qwen2.5-0.5B's geometry, fp32); qwen3-next: the same width with three "
         "Gated DeltaNet layers to one attention layer, bfloat16, vLLM's "
@@ -438,7 +438,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-job", metavar="FILE", help="(internal) run one engine job")
     parser.add_argument("--make-model", metavar="DIR", help="(internal) save the model to DIR")
     args = parser.parse_args(argv)
-    args.block = HYBRID_BLOCK if args.arch == "qwen3-next" else BLOCK
+    args.block = ARCHS[args.arch].block
     if args.trials < 1:
         parser.error("--trials must be >= 1")
     block = args.block
@@ -482,7 +482,7 @@ def qwen_width(layers: int) -> dict[str, Any]:
     }
 
 
-def make_hybrid_model(path: str, layers: int) -> None:
+def make_hybrid_model(path: str, args: argparse.Namespace) -> None:
     """A random Qwen3-Next as wide as Qwen2.5-0.5B: every fourth layer full attention
     (14 heads, 2 KV heads of 64), the others Gated DeltaNet (4 key and 4 value heads of
     64), MoE MLPs; vocabulary 32,000."""
@@ -493,6 +493,7 @@ def make_hybrid_model(path: str, layers: int) -> None:
     )
 
     torch.manual_seed(0)
+    layers = args.layers
     config = Qwen3NextConfig(
         **qwen_width(layers),
         linear_conv_kernel_dim=4,
@@ -511,9 +512,9 @@ def make_hybrid_model(path: str, layers: int) -> None:
     Qwen3NextForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def make_chunked_model(path: str, layers: int, chunk: int) -> None:
+def make_chunked_model(path: str, args: argparse.Namespace) -> None:
     """A random Llama 4 text model as wide as Qwen2.5-0.5B: every fourth layer full
-    attention (NoPE), the others chunked local attention of ``chunk`` tokens; every
+    attention (NoPE), the others chunked local attention of ``--chunk-tokens``; every
     layer a MoE of 8 experts of 2432 (one a token) and a shared expert of 2432 (4864 a
     token, as Qwen2.5-0.5B's MLP); vocabulary 32,000, fp32."""
     import torch
@@ -523,19 +524,19 @@ def make_chunked_model(path: str, layers: int, chunk: int) -> None:
     )
 
     torch.manual_seed(0)
-    width = qwen_width(layers) | {"intermediate_size": 2432, "intermediate_size_mlp": 2432}
+    width = qwen_width(args.layers) | {"intermediate_size": 2432, "intermediate_size_mlp": 2432}
     config = Llama4TextConfig(
         **width,
         num_local_experts=8,
         num_experts_per_tok=1,
         interleave_moe_layer_step=1,
-        attention_chunk_size=chunk,
+        attention_chunk_size=args.chunk_tokens,
         no_rope_layer_interval=4,
     )
     Llama4ForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
-def make_model(path: str, layers: int) -> None:
+def make_model(path: str, args: argparse.Namespace) -> None:
     """A random Qwen2 with Qwen2.5-0.5B's geometry (vocabulary cut to 32,000), fp32."""
     import torch
     from transformers import (  # type: ignore[import-not-found]  # the engine's environment
@@ -545,12 +546,53 @@ def make_model(path: str, layers: int) -> None:
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        **qwen_width(layers),
+        **qwen_width(args.layers),
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
         torch_dtype="float32",
     )
     Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(path)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What ``--arch`` changes, in one place: the header's words for the model, vLLM's
+    block size, the engine arguments every configuration gets, whether a connector's
+    engine needs vLLM's prefix cache on, whether the model has attention chunks
+    (``--chunk-tokens``), and the model's maker."""
+
+    geometry: str
+    block: int
+    engine: Mapping[str, Any]
+    connector_prefix_cache: bool
+    chunked: bool
+    make: Callable[[str, argparse.Namespace], None]
+
+
+ARCHS = {
+    "qwen2": Arch(
+        "Qwen2.5-0.5B geometry, fp32", BLOCK, {"dtype": "float32"}, False, False, make_model
+    ),
+    # vLLM names the blocks holding a Mamba state only with its prefix cache on
+    "qwen3-next": Arch(
+        "Qwen3-Next at Qwen2.5-0.5B's width (3 Gated DeltaNet layers to 1 attention layer), "
+        "bfloat16, mamba_cache_mode=align, prefill chunks of one block",
+        HYBRID_BLOCK,
+        {"dtype": "bfloat16", "mamba_cache_mode": "align", "max_num_batched_tokens": HYBRID_BLOCK},
+        True,
+        False,
+        make_hybrid_model,
+    ),
+    "llama4": Arch(
+        "Llama 4 at Qwen2.5-0.5B's width (3 chunked local attention layers to 1 full "
+        "attention layer), fp32",
+        BLOCK,
+        {"dtype": "float32"},
+        False,
+        True,
+        make_chunked_model,
+    ),
+}
 
 
 def tokens(n: int, *seed: object) -> list[int]:
@@ -881,16 +923,6 @@ class Runner:
         self.hit_blocks = (args.prompt_tokens - 1) // args.block
         self.model_name = f"bench/{args.arch}-0.5b-width-{args.layers}l@{os.getpid()}"
 
-    def engine_args(self) -> dict[str, Any]:
-        """The engine arguments of the model: the same for every configuration."""
-        if self.args.arch != "qwen3-next":
-            return {"dtype": "float32"}
-        return {
-            "dtype": "bfloat16",
-            "mamba_cache_mode": "align",
-            "max_num_batched_tokens": self.args.block,
-        }
-
     def kvconn_extra(self, backend: str, options: dict[str, Any]) -> dict[str, Any]:
         return {"model": self.model_name, "backend": backend, "options": options}
 
@@ -968,8 +1000,7 @@ class Runner:
         prefix_caching = config == "prefix-same" or (
             config in CONFIGS and CONFIGS[config].prefix_caching
         )
-        if self.args.arch == "qwen3-next" and self.transfer(config) is not None:
-            # vLLM names the blocks holding a Mamba state only with its cache on
+        if ARCHS[self.args.arch].connector_prefix_cache and self.transfer(config) is not None:
             prefix_caching = True
         phases = [warmup_phase(key), *phases]
         longest = max(len(r["prompt"]) + r["max_tokens"] for p in phases for r in p["requests"])
@@ -980,7 +1011,7 @@ class Runner:
             "prefix_caching": prefix_caching,
             "max_model_len": -(-(longest + self.args.block) // 1024) * 1024,
             "block_size": self.args.block,
-            "engine": self.engine_args(),
+            "engine": dict(ARCHS[self.args.arch].engine),
             "kv_transfer": self.transfer(config),
             "phases": phases,
             # the stores' servers are this process's other children
@@ -1676,7 +1707,7 @@ def run_all(args: argparse.Namespace, work: Path) -> Results:
     results = Results()
     figures = set(args.figures)
     # a --workdir reused with another model keeps each model apart
-    chunk = f"-chunk{args.chunk_tokens}" if args.arch == "llama4" else ""
+    chunk = f"-chunk{args.chunk_tokens}" if ARCHS[args.arch].chunked else ""
     model = work / f"model-{args.arch}-{args.layers}l{chunk}"
     if not (model / "config.json").exists():
         print(f"making the model ({args.layers} layers) ...", file=sys.stderr)
@@ -2213,16 +2244,8 @@ def cpu_model() -> str:
     return "model unknown"
 
 
-GEOMETRY = {
-    "qwen2": "Qwen2.5-0.5B geometry, fp32",
-    "qwen3-next": "Qwen3-Next at Qwen2.5-0.5B's width (3 Gated DeltaNet layers to 1 "
-    "attention layer), bfloat16, mamba_cache_mode=align, prefill chunks of one block",
-    "llama4": "Llama 4 at Qwen2.5-0.5B's width (3 chunked local attention layers to 1 full "
-    "attention layer), fp32",
-}
-
-
 def header(args: argparse.Namespace) -> str:
+    arch = ARCHS[args.arch]
     versions = []
     for module in ("vllm", "torch"):
         with contextlib.suppress(Exception):
@@ -2232,8 +2255,8 @@ def header(args: argparse.Namespace) -> str:
     return (
         f"{', '.join(versions)}; {os.cpu_count()} CPUs ({cpu_model()}), load average "
         f"{loadavg()} at the start; "
-        f"{GEOMETRY[args.arch]}, {args.layers} layers, block {args.block}"
-        f"{f', {args.chunk_tokens}-token chunks' if args.arch == 'llama4' else ''}; "
+        f"{arch.geometry}, {args.layers} layers, block {args.block}"
+        f"{f', {args.chunk_tokens}-token chunks' if arch.chunked else ''}; "
         f"{args.trials} trial(s), configurations interleaved, one engine process each; medians"
     )
 
@@ -2241,11 +2264,7 @@ def header(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make_model:
-        if args.arch == "llama4":
-            make_chunked_model(args.make_model, args.layers, args.chunk_tokens)
-        else:
-            maker = make_hybrid_model if args.arch == "qwen3-next" else make_model
-            maker(args.make_model, args.layers)
+        ARCHS[args.arch].make(args.make_model, args)
         return 0
     if args.engine_job:
         job = json.loads(Path(args.engine_job).read_text())

@@ -279,6 +279,7 @@ def _components(
 
     buffer = pool.kv_buffer
     first = pool.start_layer  # a region's layer is the model's: a PP stage's own numbers
+    named = "" if pool.name == "kv" else f"{pool.name}_"  # a side pool's roles: its own
     if pool.kind in ("indexer", "kv_rows"):
         # one packed row per page (and layer): the rows past the KV pool's pages are
         # never addressed by a transfer, so the slots are the KV pool's
@@ -286,7 +287,7 @@ def _components(
         if pool.kind == "indexer":
             role = declare(Role(pool.name.replace("indexer", "index_k"), 1, dtype))
         else:
-            role = declare(Role("kv" if pool.name == "kv" else f"{pool.name}_kv", units, dtype))
+            role = declare(Role(f"{named}kv", units, dtype))
         if pool.layout not in (LAYER_FIRST, "page_first", "page_first_direct"):
             raise LayoutError(f"SGLang has no {pool.layout} layout for the {pool.name} pool")
         if pool.layout == LAYER_FIRST:  # [layers, pages, bytes]
@@ -303,7 +304,6 @@ def _components(
         # [pages, layers, 1, bytes]: a whole page of every layer is one contiguous range
         _check_rows(pool, buffer, pages, layer_dim=1, page_dim=0, dims=4)
         return [(role, [(first, buffer[:pages].reshape(pages, -1), None)])]
-    named = "" if pool.name == "kv" else f"{pool.name}_"  # a side pool's roles: its own
     if pool.kind == "mha":
         components = [
             (declare(Role(f"{named}k", units, dtype)), buffer[0]),
