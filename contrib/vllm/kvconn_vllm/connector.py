@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +144,21 @@ def connector_config(vllm_config: VllmConfig) -> ConnectorConfig:
         engine_model=EngineModel.of(model.model, model.revision, model.quantization),
         where="kv_connector_extra_config",
     )
+
+
+def eagle_hit(prefixes: Iterable[int]) -> int:
+    """The longest hit ``N`` (in blocks) whose next block is a hit too: vLLM's EAGLE
+    block drop, for a connector's hit as for its own prefix cache.
+
+    An EAGLE or MTP head's cache entry at a position is computed from the token after
+    it, so the last entry of a hit depends on a token outside the hit's hash: vLLM drops
+    the last block of every hit when such a head drafts (``use_eagle_block_drop``),
+    recomputing it. kvconn's hit obeys the same rule: ``N`` with ``N + 1`` restorable too
+    (for a sliding window, its window and one more block), so the last loaded entry was
+    computed from the token this request has there. ``prefixes``: every restorable hit.
+    """
+    found = set(prefixes)
+    return max((n for n in found if n + 1 in found), default=0)
 
 
 def wait_while_idle(handles: Sequence[Handle], wait_s: float, *, reported: bool = False) -> None:
@@ -267,6 +282,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._config = connector_config(vllm_config)
         self._scheme = hash_scheme(vllm_config)
         self._block_size = vllm_config.cache_config.block_size
+        speculative = vllm_config.speculative_config
+        self._eagle = speculative is not None and speculative.use_eagle_block_drop()
         self._tp_size = parallel.tensor_parallel_size
         transfer = vllm_config.kv_transfer_config
         self._loads_hits = bool(transfer.is_kv_consumer)  # kv_consumer / kv_both
@@ -521,7 +538,8 @@ class KvconnConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 answer = self._asker.ask(request.request_id, hashes[done:usable])
                 if answer is None:
                     return None, False  # the store has not answered within lookup_wait_s
-                hit = min(answer.blocks, usable - done)
+                found = eagle_hit(answer.prefixes()) if self._eagle else answer.blocks
+                hit = min(found, usable - done)
             else:
                 self._no_layout_misses += 1
                 if self._no_layout_log.due():

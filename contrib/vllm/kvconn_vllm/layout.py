@@ -70,11 +70,19 @@ class LayerBytes:
     for bytes every rank holds, the TP size for a state each rank holds a slice of).
     ``tag``: what an element is, where the tensor's dtype does not say it (a Mamba
     state arrives as raw bytes); ``None``: the dtype tag the layout is given.
+    ``units`` of a draft layer count the draft model's heads.
     """
 
     role: str
     units: int
     tag: str | None = None
+    #: A speculative-decoding draft model's layer: its roles are ``draft_<role>``, a
+    #: kind of bytes of their own (the draft's head count and geometry are its own).
+    draft: bool = False
+
+    def named(self, role: str) -> str:
+        """The layout's name for ``role`` (``kv``, ``k``, ``latent`` …) of this layer."""
+        return f"draft_{role}" if self.draft else role
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,42 @@ def layer_index(name: str, position: int) -> int:
     """
     numbers = _NUMBER.findall(name)
     return int(numbers[0]) if len(numbers) == 1 else position
+
+
+def layer_numbers(names: Sequence[str]) -> dict[str, int]:
+    """A layer number for each vLLM layer name, from ``names`` in vLLM's order (the
+    same in every process).
+
+    Each name's own number (:func:`layer_index`; layers of one number and several roles,
+    like an attention layer and its indexer, share it). A draft model's layers
+    (speculative decoding, ``draft_model.model.layers.0.self_attn.attn``) number from
+    0 again under a prefix of their own: where two prefixes' numbers meet, each
+    prefix's layers continue past the numbers of the prefixes before it, in order of
+    first appearance (the target's keep theirs), and names with no single number come
+    last.
+    """
+    plain = {name: layer_index(name, i) for i, name in enumerate(names)}
+    stacks: dict[str, list[tuple[str, int]]] = {}  # prefix -> (name, its number)
+    for name in names:
+        found = list(_NUMBER.finditer(name))
+        if len(found) == 1:
+            stacks.setdefault(name[: found[0].start(1)], []).append((name, int(found[0][1])))
+    taken: set[int] = set()
+    for members in stacks.values():
+        numbers = {n for _, n in members}
+        if numbers & taken:
+            break
+        taken |= numbers
+    else:
+        return plain  # no two prefixes share a number
+    out: dict[str, int] = {}
+    for members in stacks.values():
+        base = max(out.values(), default=-1) + 1
+        out.update((name, base + n) for name, n in members)
+    for name in names:
+        if name not in out:
+            out[name] = max(out.values(), default=-1) + 1
+    return {name: out[name] for name in names}
 
 
 def storage_pool(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,7 +173,7 @@ def kv_layout(
         raise LayoutError("vLLM registered no KV cache tensors")
     if not groups:
         raise LayoutError("vLLM's KV cache config has no group kvconn can store")
-    position = {name: i for i, name in enumerate(kv_caches)}
+    numbers = layer_numbers(list(kv_caches))
     pools: list[torch.Tensor] = []
     pool_of: dict[tuple[int, int], int] = {}  # (group, storage address) -> pool index
     roles: dict[str, tuple[int, str]] = {}  # role -> (units, dtype)
@@ -147,7 +191,7 @@ def kv_layout(
             if ident in seen:
                 continue  # KV sharing: this layer reads another layer's cache
             seen.add(ident)
-            views = _views(name, tensor, num_blocks, what.role)
+            views = [(what.named(r), v) for r, v in _views(name, tensor, num_blocks, what.role)]
             by_head = _heads_dim(tensor, num_blocks, what, tp_size)
             for role, view in views:
                 dims = list(view.shape[1:])
@@ -167,7 +211,7 @@ def kv_layout(
                 pool_of[(group.index, address)] = len(pools)
                 pools.append(storage_pool(tensor))
             pool = pool_of[(group.index, address)]
-            layer = layer_index(name, position[name])
+            layer = numbers[name]
             unit_dim = 1 if by_head else None
             regions.extend(
                 Region.from_tensor(role, layer, view, pools[pool], pool, unit_dim)

@@ -30,6 +30,9 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
   state is not positional in that mode: vLLM names each committed state's block in
   ``boundary_state_offloads`` (the connector saves exactly those). Other cache modes
   keep no per-block state to store, and are refused.
+* A speculative-decoding draft model's layers (an EAGLE or MTP head, or a draft model
+  of its own, :func:`draft_layers`): the same specs, their roles ``draft_<role>`` and
+  their units counted in the draft model's heads.
 * Any other spec (sink or R-SWA attention, cross attention, DeepSeek-V4's compressed
   caches…) is refused: its blocks are not plain per-token KV
   with the rules above.
@@ -37,6 +40,7 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from vllm.v1.kv_cache_interface import (
@@ -52,7 +56,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvconn.errors import ConfigError
 from kvconn.layout import Chunked, Window
-from kvconn_vllm.layout import CacheGroup, LayerBytes
+from kvconn_vllm.layout import CacheGroup, LayerBytes, layer_index
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +101,7 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                     )
     hash_block_size = kv_cache_config.hash_block_size or block_size
     total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
+    drafts, draft_heads = draft_layers(vllm_config, kv_cache_config)
     groups = []
     for index in kv_cache_config.prefix_cacheable_group_ids:
         group = kv_cache_config.kv_cache_groups[index]
@@ -109,7 +114,12 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
             )
         specs = [_layer_spec(group.kv_cache_spec, name) for name in group.layer_names]
         layers = tuple(
-            (name, layer_bytes(spec, name, total_kv_heads, model, tp))
+            (
+                name,
+                dataclasses.replace(layer_bytes(spec, name, draft_heads, model, tp), draft=True)
+                if name in drafts
+                else layer_bytes(spec, name, total_kv_heads, model, tp),
+            )
             for name, spec in zip(group.layer_names, specs)
         )
         states = [isinstance(spec, MambaSpec) for spec in specs]
@@ -131,6 +141,32 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
     if not groups:
         raise ConfigError(f"kvconn's vLLM adapter found no KV cache it can store in {model}")
     return tuple(groups)
+
+
+def draft_layers(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[frozenset[str], int]:
+    """The layers of a speculative-decoding draft model, and its total KV heads.
+
+    vLLM gives a draft model its own attention layers beside the target's, in the same
+    KV-cache groups when their specs match: EAGLE and MTP heads continue the target's
+    numbering (``model.layers.<target layers + i>``), a separate draft model
+    (``method="draft_model"``) keeps its own under ``draft_model.``. Their bytes are a
+    function of the prefix like the target's (an EAGLE head's of the target's hidden
+    states), so kvconn stores them beside the target's pages; their head count and
+    geometry are the draft's, hence roles of their own.
+    """
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    if draft is None:
+        return frozenset(), 0
+    target_layers = vllm_config.model_config.get_total_num_hidden_layers()
+    names = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
+    found = frozenset(
+        name
+        for name in names
+        if name.startswith("draft_model.") or layer_index(name, -1) >= target_layers
+    )
+    return found, draft.get_total_num_kv_heads()
 
 
 def layer_bytes(

@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Any
 
 
-def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) -> None:
-    """A random Llama (2 layers, head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(kv_heads: int, layers: int = 2, **more: Any) -> Any:
+    """The tiny Llama's geometry (hidden 128, 2 heads of 64, a 512-token vocabulary)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -41,7 +39,17 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) ->
         head_dim=64,
         max_position_embeddings=1024,
         tie_word_embeddings=False,
+        **more,
     )
+
+
+def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) -> None:
+    """A random Llama (2 layers, head_dim 64, ~4 MB) that vLLM's CPU backend accepts."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_llama_config(kv_heads, layers)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
@@ -156,6 +164,51 @@ def make_tiny_llama4(path: str, seed: int = 0) -> None:
     Llama4ForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+def make_tiny_llama_twin(path: str, kv_heads: int, seed: int = 0) -> None:
+    """A random 2-layer Llama whose tokens depend on their context (weights drawn 15
+    times wider than transformers' default: its default model picks nearly the same
+    token whatever came before, and would accept any draft), with ``kv_heads`` KV
+    heads that are copies of one. At 1 and 2 KV heads it is the same function, so one
+    is the other's draft model and proposes exactly the tokens the target picks."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    weights = LlamaForCausalLM(tiny_llama_config(1, initializer_range=0.3)).state_dict()
+    for name in [n for n in weights if n.endswith(("k_proj.weight", "v_proj.weight"))]:
+        weights[name] = weights[name].repeat(kv_heads, 1)  # [heads * head_dim, hidden]
+    model = LlamaForCausalLM(tiny_llama_config(kv_heads, initializer_range=0.3))
+    model.load_state_dict(weights)
+    model.to(torch.float32).save_pretrained(path)
+
+
+def make_tiny_eagle(path: str, seed: int = 7) -> None:
+    """A random EAGLE head for the tiny Llama (vLLM's ``EagleLlamaForCausalLM``): one
+    decoder layer over the target's hidden state and the next token's embedding (its
+    ``fc``); vLLM gives it the target's embeddings and LM head."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    config = tiny_llama_config(2, 1, architectures=["EagleLlamaForCausalLM"])
+    shapes = {
+        "self_attn.q_proj.weight": (128, 128),
+        "self_attn.k_proj.weight": (128, 128),
+        "self_attn.v_proj.weight": (128, 128),
+        "self_attn.o_proj.weight": (128, 128),
+        "mlp.gate_proj.weight": (256, 128),
+        "mlp.up_proj.weight": (256, 128),
+        "mlp.down_proj.weight": (128, 256),
+    }
+    # no input norm: vLLM's EAGLE layer 0 takes the fc output as it is
+    weights = {f"layers.0.{name}": torch.randn(shape) * 0.02 for name, shape in shapes.items()}
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(128)
+    weights["fc.weight"] = torch.randn(128, 256) * 0.02
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(Path(path, "model.safetensors")))
+    config.save_pretrained(path)
+
+
 #: Model name -> maker(path).
 MODELS: dict[str, Callable[[str], None]] = {
     "llama-1kv": lambda path: make_tiny_llama(path, 1),
@@ -167,6 +220,9 @@ MODELS: dict[str, Callable[[str], None]] = {
     "gemma3": make_tiny_gemma3,
     "qwen3-next": make_tiny_qwen3_next,
     "llama4": make_tiny_llama4,
+    "llama-twin-1kv": lambda path: make_tiny_llama_twin(path, 1),
+    "llama-twin-2kv": lambda path: make_tiny_llama_twin(path, 2),
+    "eagle-llama": make_tiny_eagle,  # a draft head for llama-2kv
 }
 
 
@@ -217,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         long_prefill_token_threshold=args.long_prefill_token_threshold,  # per request
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args, kvconn),
+        speculative_config=speculative_config(args),
     )
     if args.workload == "concurrent":
         return concurrent(llm, args)
@@ -235,8 +292,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, text in markers.get(n, []):
             Path(args.store, name).write_text(text)  # read by kvconn_test_drop
         started = time.monotonic()
+        drafted = speculation(llm)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        runs.append({**completion(out), "seconds": time.monotonic() - started})
+        seconds = time.monotonic() - started
+        now = speculation(llm)
+        runs.append(
+            {
+                **completion(out),
+                "seconds": seconds,
+                # draft tokens proposed and accepted in this generation (speculative only)
+                "drafted": {k: now[k] - drafted[k] for k in now},
+            }
+        )
         Path(args.store, "stall").unlink(missing_ok=True)  # a stall lasts one run
     return {"runs": runs}
 
@@ -260,6 +327,25 @@ def transfer_config(args: argparse.Namespace, kvconn: dict[str, Any]) -> Any:
         kv_load_failure_policy="recompute",
         kv_connector_extra_config=kvconn,
     )
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """A draft model proposing tokens the target checks (``--draft DIR``), or none."""
+    if not args.draft:
+        return None
+    return {
+        "method": args.draft_method,
+        "model": args.draft,
+        "num_speculative_tokens": args.draft_tokens,
+    }
+
+
+def speculation(llm: Any) -> dict[str, int]:
+    """vLLM's running counts of draft tokens proposed and accepted."""
+    counts = {m.name: int(getattr(m, "value", 0)) for m in llm.get_metrics()}
+    return {
+        what: counts.get(f"vllm:spec_decode_num_{what}_tokens", 0) for what in ("draft", "accepted")
+    }
 
 
 def completion(out: Any) -> dict[str, Any]:
@@ -359,6 +445,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--num-blocks", type=int, default=0)
+    parser.add_argument("--draft", metavar="DIR", help="a draft model: speculative decoding")
+    parser.add_argument("--draft-method", default="eagle", help="vLLM's speculative method")
+    parser.add_argument("--draft-tokens", type=int, default=2, help="tokens proposed a step")
     parser.add_argument("--result", metavar="FILE", help="where the outputs' JSON goes")
     args = parser.parse_args()
     if args.kvconn and args.generations > 1:

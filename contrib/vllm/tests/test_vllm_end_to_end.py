@@ -12,7 +12,10 @@ over an LMDB store in a temporary directory.
   on and emptied before each later generation (vLLM names the blocks that hold a state
   only with its cache on), and refused at start-up in vLLM's default cache mode;
 * Llama 4 at TP=1 and TP=2: three chunked local attention layers (64-token chunks) and a
-  full-attention one, each a KV-cache group of vLLM's hybrid manager.
+  full-attention one, each a KV-cache group of vLLM's hybrid manager;
+* speculative decoding: a Llama with a draft model of its own (its twin with one KV
+  head) at TP=1 and TP=2, and with an EAGLE head at TP=1, against vLLM's own prefix
+  cache with the same head.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
 per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
@@ -27,6 +30,7 @@ hit's chunk at the lookup of a third run, then one inside it at a fourth's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,6 +65,7 @@ class Case:
     reference: str | None = None
     pp: int = 1  # pipeline stages
     prompt_tokens: int = PROMPT_TOKENS
+    draft: str | None = None  # a draft model (``run_vllm.MODELS``): speculative decoding
 
     @property
     def full_blocks(self) -> int:
@@ -202,13 +207,45 @@ CHUNKED = {
         prompt_tokens=230,
     ),
 }
-#: The same engines with vLLM's own reference connector (files per layer) instead.
+#: Speculative decoding. A draft model (vLLM's ``draft_model`` method) that is the
+#: target's twin with one KV head instead of two copies of it: its own layers' K/V pages
+#: beside the target's, stored once for the TP group (one head), and every token it
+#: proposes accepted. An EAGLE head for the 2-KV-head Llama: its layer is the group's
+#: third, keyed with the target's (the same geometry).
+DRAFT = ("--draft-method", "draft_model")
+SPECULATIVE = {
+    "draft-tp1": Case(
+        "llama-twin-2kv",
+        1,
+        {"lg0/w1r0": 1, "lg0/replicated": 1},
+        args=DRAFT,
+        draft="llama-twin-1kv",
+    ),
+    "draft-tp2": Case(
+        "llama-twin-2kv",
+        2,
+        {"lg0/w2r0": 1, "lg0/w2r1": 1, "lg0/replicated": 1},
+        args=DRAFT,
+        draft="llama-twin-1kv",
+    ),
+    "eagle-tp1": Case("llama-2kv", 1, {"lg0/w1r0": 1}, draft="eagle-llama"),
+}
+#: The same engines with vLLM's own reference connector (files per layer) instead, or
+#: (``-prefix-cache``) with vLLM's own prefix cache and no connector.
 REFERENCES = {
     f"{name}-example": Case(
         case.model, case.tp, {}, case.block_size, (*case.args, "--connector", "example")
     )
     for name, case in CASES.items()
     if case.reference is not None
+} | {
+    "eagle-tp1-prefix-cache": Case(
+        "llama-2kv",
+        1,
+        {},
+        args=("--connector", "none", "--prefix-caching"),
+        draft="eagle-llama",
+    )
 }
 
 
@@ -256,8 +293,17 @@ def engine_run(
 
     def run(name: str) -> EngineRun:
         if name not in runs:
-            case = CASES.get(name) or MAMBA.get(name) or CHUNKED.get(name) or REFERENCES[name]
+            case = (
+                CASES.get(name)
+                or MAMBA.get(name)
+                or CHUNKED.get(name)
+                or SPECULATIVE.get(name)
+                or REFERENCES[name]
+            )
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
+            if case.draft is not None:
+                draft = ("--draft", str(tiny_model(case.draft)))
+                case = dataclasses.replace(case, args=(*case.args, *draft))
             result, log = run_case(tiny_model(case.model), store, case)
             runs[name] = (store, result, log)
         return runs[name]
@@ -366,8 +412,8 @@ def test_with_the_hybrid_manager_a_failed_load_makes_vllm_recompute_the_request(
     assert all(dict(pages) == CASES["gemma3-tp1"].pages for pages in blocks.values()), blocks
 
 
-def stored_kinds(store: Path) -> list[set[int]]:
-    """The layers of each page kind in the store, from its layout manifests."""
+def stored_regions(store: Path) -> list[set[tuple[int, str]]]:
+    """The (layer, role) regions of each page kind in the store, from its manifests."""
     backend = LmdbBackend(str(store))
     try:
         kinds = []
@@ -375,10 +421,16 @@ def stored_kinds(store: Path) -> list[set[int]]:
             if parse_manifest_key(key) is not None:
                 value = memoryview(bytearray(size))
                 assert backend.get([key], [value]) == [True]
-                kinds.append({layer for layer, _, _ in PageManifest.from_json(value).regions})
+                regions = PageManifest.from_json(value).regions
+                kinds.append({(layer, role) for layer, role, _ in regions})
         return sorted(kinds, key=sorted)
     finally:
         backend.close()
+
+
+def stored_kinds(store: Path) -> list[set[int]]:
+    """The layers of each page kind in the store."""
+    return sorted(({layer for layer, _ in kind} for kind in stored_regions(store)), key=sorted)
 
 
 def test_each_pipeline_stage_stores_pages_of_its_own_layers(
@@ -521,3 +573,47 @@ def test_a_local_page_outside_the_hits_chunk_is_not_needed_and_one_inside_shorte
     blocks = pages_per_block(store)
     missing = [b for b, pages in blocks.items() if dict(pages) != CHUNKED["llama4-tp1"].pages]
     assert len(missing) == 1  # block 5's local page, never recomputed (a hit both times)
+
+
+@pytest.mark.parametrize("name", ["draft-tp1", "draft-tp2"])
+def test_a_draft_models_cache_loads_with_the_targets_and_its_drafts_stay_accepted(
+    name: str, engine_run: Callable[[str], EngineRun]
+) -> None:
+    """A hit restores the draft model's K/V too: the twin draft proposes the target's
+    own tokens, and after the hit every one is still accepted. (With the draft's pages
+    left out of the load by hand, the second run's draft accepted 0 of 14 tokens.)"""
+    case = SPECULATIVE[name]
+    store, result, log = engine_run(name)
+    first, second = result["runs"]
+    assert second["num_cached_tokens"] == case.full_blocks * case.block_size
+    assert second["token_ids"] == first["token_ids"]
+    assert second["logprobs"] == first["logprobs"]
+    assert first["drafted"]["accepted"] == first["drafted"]["draft"] > 0
+    assert second["drafted"] == first["drafted"]
+    blocks = pages_per_block(store)
+    assert len(blocks) == case.full_blocks
+    assert all(dict(pages) == case.pages for pages in blocks.values()), blocks
+    # the draft's layers 0 and 1 follow the target's: layers 2 and 3 of the layout
+    assert stored_regions(store) == [{(0, "kv"), (1, "kv")}, {(2, "draft_kv"), (3, "draft_kv")}]
+    assert "did not load" not in log
+
+
+def test_an_eagle_hit_drops_its_last_block_as_vllms_own_prefix_cache_does(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """An EAGLE head's cache entry at a position is computed from the next token, so
+    vLLM drops the last block of every hit while one drafts; kvconn's hit is the same
+    length as vLLM's own prefix cache's (2 of the 3 stored blocks), and loads the head's
+    layer with the target's."""
+    store, result, log = engine_run("eagle-tp1")
+    _, own = engine_run("eagle-tp1-prefix-cache")[1]["runs"]
+    first, second = result["runs"]
+    assert own["num_cached_tokens"] == 2 * 32
+    assert second["num_cached_tokens"] == own["num_cached_tokens"]
+    assert second["token_ids"] == first["token_ids"] == own["token_ids"]
+    assert second["logprobs"] == first["logprobs"]
+    blocks = pages_per_block(store)
+    assert len(blocks) == 3
+    assert all(dict(pages) == SPECULATIVE["eagle-tp1"].pages for pages in blocks.values())
+    assert stored_regions(store) == [{(0, "kv"), (1, "kv"), (2, "draft_kv")}]
+    assert "did not load" not in log

@@ -19,7 +19,7 @@ from kvconn.errors import LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import KvLayout, UnitLayout
 from kvconn.plan import plan_pages
-from kvconn_vllm.layout import CacheGroup, LayerBytes, kv_layout, layer_index
+from kvconn_vllm.layout import CacheGroup, LayerBytes, kv_layout, layer_index, layer_numbers
 
 BLOCKS, BS, HEADS, DIM = 6, 32, 2, 64
 
@@ -231,6 +231,54 @@ def test_layer_numbers_come_from_the_name_or_else_the_position():
     assert layer_index("model.layers.17.self_attn.attn", 3) == 17
     assert layer_index("decoder.attn", 3) == 3
     assert layer_index("model.layers.1.experts.2.attn", 5) == 5  # two numbers: ambiguous
+
+
+def test_a_draft_models_layers_number_after_the_targets_and_the_targets_keep_theirs():
+    names = [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+        "draft_model.model.layers.0.self_attn.attn",
+        "draft_model.model.layers.1.self_attn.attn",
+        "decoder.attn",
+    ]
+    assert list(layer_numbers(names).values()) == [0, 1, 2, 3, 4]
+    # a model with no draft numbers as before: the name's number, else the position
+    assert layer_numbers(["model.layers.7.attn", "decoder.attn"]) == {
+        "model.layers.7.attn": 7,
+        "decoder.attn": 1,
+    }
+
+
+def test_layers_of_one_number_under_one_prefix_keep_it():
+    """An attention layer and its indexer (DeepSeek-V3.2) are two roles of one layer."""
+    names = ["model.layers.0.self_attn.attn", "model.layers.0.self_attn.indexer.k_cache"]
+    assert list(layer_numbers(names).values()) == [0, 0]
+
+
+def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
+    """A draft model with 1 KV head beside a target with 2: role ``draft_kv`` of 1 unit
+    (stored once for a TP group), the target's ``kv`` of 2."""
+    caches = {
+        "model.layers.0.self_attn.attn": torch.zeros(8, 2, 32, 128),
+        "draft_model.model.layers.0.self_attn.attn": torch.zeros(8, 1, 32, 128),
+    }
+    group = CacheGroup(
+        0,
+        (
+            ("model.layers.0.self_attn.attn", LayerBytes("kv", 2)),
+            ("draft_model.model.layers.0.self_attn.attn", LayerBytes("kv", 1, draft=True)),
+        ),
+    )
+    layout, _ = kv_layout(
+        caches,
+        [group],
+        num_blocks=8,
+        block_size=32,
+        tp_size=1,
+        dtype_tags=dict.fromkeys(caches, "float32"),
+    )
+    assert {(r.name, r.units) for r in layout.roles} == {("kv", 2), ("draft_kv", 1)}
+    assert [(r.role, r.layer) for r in layout.groups[0].regions] == [("kv", 0), ("draft_kv", 1)]
 
 
 def test_importing_kvconn_and_the_adapter_package_does_not_import_vllm():

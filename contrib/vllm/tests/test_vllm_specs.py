@@ -42,7 +42,7 @@ from kvconn.errors import ConfigError
 from kvconn.layout import Chunked, KvLayout
 from kvconn.lograte import LogInterval
 from kvconn.plan import plan_pages
-from kvconn_vllm.connector import KvconnConnector
+from kvconn_vllm.connector import KvconnConnector, eagle_hit
 from kvconn_vllm.layout import kv_layout
 from kvconn_vllm.specs import cache_groups, window_blocks
 
@@ -435,3 +435,19 @@ def test_lookups_before_the_workers_layout_are_misses_and_the_warning_counts_the
     assert answers == [(0, False)] * 4
     warnings = [r.getMessage() for r in caplog.records if "no layout" in r.getMessage()]
     assert [w.rsplit("(", 1)[1] for w in warnings] == ["1 so far)", "4 so far)"]
+
+
+@pytest.mark.parametrize(
+    ("restorable", "hit"),
+    [
+        ((1, 2, 3), 2),  # full attention: one block short of the longest
+        ((), 0),
+        ((1,), 0),  # the one block's next is not stored: nothing to load
+        ((2, 3, 5), 2),  # a sliding window: 5 is a hit, 6 is not; 3 is, 4 is not
+        ((2, 3, 5, 6), 5),
+    ],
+)
+def test_an_eagle_hit_is_the_longest_whose_next_block_is_a_hit_too(
+    restorable: tuple[int, ...], hit: int
+) -> None:
+    assert eagle_hit(restorable) == hit
