@@ -81,6 +81,53 @@ def make_tiny_deepseek_v2(path: str, seed: int = 0) -> None:
     DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+def make_tiny_deepseek_v3_mtp(path: str, seed: int = 0) -> None:
+    """A random 2-layer DeepSeek-V3 (MLA, dense MLPs) with a multi-token-prediction
+    layer (``num_nextn_predict_layers=1``): a third decoder layer with the MTP head's
+    norms and projection, stored as DeepSeek ships it (``model.layers.2.*``)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = DeepseekV3Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,  # the third becomes the MTP layer's decoder block
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=100,
+        max_position_embeddings=1024,
+        rope_scaling=None,
+    )
+    DeepseekV3ForCausalLM(config).to(torch.float32).save_pretrained(path)
+    weights = load_file(str(Path(path, "model.safetensors")))
+    mtp = "model.layers.2."
+    weights |= {f"{mtp}{norm}.weight": torch.ones(256) for norm in ("enorm", "hnorm")}
+    weights[f"{mtp}eh_proj.weight"] = torch.randn(256, 512) * 0.02
+    weights[f"{mtp}shared_head.norm.weight"] = torch.ones(256)
+    weights[f"{mtp}shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    weights[f"{mtp}embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(Path(path, "model.safetensors")), metadata={"format": "pt"})
+    hf = json.loads(Path(path, "config.json").read_text())
+    hf |= {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    Path(path, "config.json").write_text(json.dumps(hf))
+
+
 #: Layers of the tiny Gemma-3 with a sliding window (the others attend to everything).
 GEMMA3_SLIDING_LAYERS = (0, 2)
 
@@ -223,6 +270,7 @@ MODELS: dict[str, Callable[[str], None]] = {
     "llama-twin-1kv": lambda path: make_tiny_llama_twin(path, 1),
     "llama-twin-2kv": lambda path: make_tiny_llama_twin(path, 2),
     "eagle-llama": make_tiny_eagle,  # a draft head for llama-2kv
+    "deepseek-v3-mtp": make_tiny_deepseek_v3_mtp,
 }
 
 
@@ -337,6 +385,7 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
         "method": args.draft_method,
         "model": args.draft,
         "num_speculative_tokens": args.draft_tokens,
+        "disable_eagle_block_drop": args.keep_eagle_block,
     }
 
 
@@ -448,6 +497,11 @@ def main() -> None:
     parser.add_argument("--draft", metavar="DIR", help="a draft model: speculative decoding")
     parser.add_argument("--draft-method", default="eagle", help="vLLM's speculative method")
     parser.add_argument("--draft-tokens", type=int, default=2, help="tokens proposed a step")
+    parser.add_argument(
+        "--keep-eagle-block",
+        action="store_true",
+        help="vLLM's disable_eagle_block_drop: an EAGLE/MTP hit keeps its last block",
+    )
     parser.add_argument("--result", metavar="FILE", help="where the outputs' JSON goes")
     args = parser.parse_args()
     if args.kvconn and args.generations > 1:

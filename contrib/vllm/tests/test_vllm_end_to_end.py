@@ -15,7 +15,8 @@ over an LMDB store in a temporary directory.
   full-attention one, each a KV-cache group of vLLM's hybrid manager;
 * speculative decoding: a Llama with a draft model of its own (its twin with one KV
   head) at TP=1 and TP=2, and with an EAGLE head at TP=1, against vLLM's own prefix
-  cache with the same head.
+  cache with the same head; DeepSeek-V3 with its MTP layer at TP=1, against
+  ``ExampleConnector``.
 
 Each configuration starts one real engine in its own process (``run_vllm.py``), once
 per session, generates a prompt twice with vLLM's own prefix cache off, and the tests
@@ -213,6 +214,7 @@ CHUNKED = {
 #: proposes accepted. An EAGLE head for the 2-KV-head Llama: its layer is the group's
 #: third, keyed with the target's (the same geometry).
 DRAFT = ("--draft-method", "draft_model")
+MTP = (*MLA, "--draft-method", "mtp", "--draft-tokens", "1", "--keep-eagle-block")
 SPECULATIVE = {
     "draft-tp1": Case(
         "llama-twin-2kv",
@@ -229,6 +231,17 @@ SPECULATIVE = {
         draft="llama-twin-1kv",
     ),
     "eagle-tp1": Case("llama-2kv", 1, {"lg0/w1r0": 1}, draft="eagle-llama"),
+    # DeepSeek-V3's MTP layer (its own checkpoint's layer 2): an MLA latent as well, in
+    # the target's replicated page. vLLM's block drop off, so that the hit is
+    # ExampleConnector's (which keeps no such rule) and the logprobs can equal its.
+    "deepseek-v3-mtp-tp1": Case(
+        "deepseek-v3-mtp",
+        1,
+        {"lg0/replicated": 1},
+        16,
+        MTP,
+        draft="deepseek-v3-mtp",
+    ),
 }
 #: The same engines with vLLM's own reference connector (files per layer) instead, or
 #: (``-prefix-cache``) with vLLM's own prefix cache and no connector.
@@ -245,7 +258,15 @@ REFERENCES = {
         {},
         args=("--connector", "none", "--prefix-caching"),
         draft="eagle-llama",
-    )
+    ),
+    "deepseek-v3-mtp-tp1-example": Case(
+        "deepseek-v3-mtp",
+        1,
+        {},
+        16,
+        (*MTP, "--connector", "example"),
+        draft="deepseek-v3-mtp",
+    ),
 }
 
 
@@ -616,4 +637,25 @@ def test_an_eagle_hit_drops_its_last_block_as_vllms_own_prefix_cache_does(
     assert len(blocks) == 3
     assert all(dict(pages) == SPECULATIVE["eagle-tp1"].pages for pages in blocks.values())
     assert stored_regions(store) == [{(0, "kv"), (1, "kv"), (2, "draft_kv")}]
+    assert "did not load" not in log
+
+
+def test_deepseeks_mtp_layer_is_stored_in_the_latents_replicated_page(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """DeepSeek-V3 with its MTP head: the head's MLA latent (layer 2) joins the target's
+    in the one replicated page per block, and a hit loads both. With vLLM's EAGLE block
+    drop off, kvconn keeps the whole hit (6 blocks), as ExampleConnector does, and the
+    logprobs equal its (vLLM's CPU MLA attends to a cached prefix by another path than
+    to a fresh prompt, so not the first run's)."""
+    store, result, log = engine_run("deepseek-v3-mtp-tp1")
+    _, example = engine_run("deepseek-v3-mtp-tp1-example")[1]["runs"]
+    first, second = result["runs"]
+    assert second["num_cached_tokens"] == example["num_cached_tokens"] == 6 * 16
+    assert second["token_ids"] == first["token_ids"] == example["token_ids"]
+    assert second["logprobs"] == example["logprobs"]
+    blocks = pages_per_block(store)
+    assert len(blocks) == 6
+    assert all(dict(pages) == {"lg0/replicated": 1} for pages in blocks.values())
+    assert stored_regions(store) == [{(0, "latent"), (1, "latent"), (2, "draft_latent")}]
     assert "did not load" not in log
