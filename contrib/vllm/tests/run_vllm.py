@@ -326,13 +326,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workload == "concurrent":
         return concurrent(llm, args)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, detokenize=False)
-    prompt = TokensPrompt(prompt_token_ids=prompt_tokens(args.prompt_tokens))
+    tokens = prompt_tokens(args.prompt_tokens)
+    salts = args.cache_salt.split(",") if args.cache_salt else []
     markers: dict[int, list[tuple[str, str]]] = {}
     for spec in args.marker:
         run_number, name, *text = spec.split(":", 2)
         markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
-    for n in range(1, max([args.generations, *markers]) + 1):
+    for n in range(1, max([args.generations, len(salts), *markers]) + 1):
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if salts:  # vLLM's per-request cache isolation (one tenant's salt)
+            prompt["cache_salt"] = salts[(n - 1) % len(salts)]
         if n > 1 and args.connector == "kvconn":
             settle(args.store)
         if n > 1 and args.prefix_caching and args.reset_prefix_cache:
@@ -497,6 +501,11 @@ def main() -> None:
     parser.add_argument("--draft", metavar="DIR", help="a draft model: speculative decoding")
     parser.add_argument("--draft-method", default="eagle", help="vLLM's speculative method")
     parser.add_argument("--draft-tokens", type=int, default=2, help="tokens proposed a step")
+    parser.add_argument(
+        "--cache-salt",
+        metavar="SALT,SALT...",
+        help="the prompt's cache salt in each generation (as many generations as salts)",
+    )
     parser.add_argument(
         "--keep-eagle-block",
         action="store_true",

@@ -13,6 +13,7 @@ over an LMDB store in a temporary directory.
   only with its cache on), and refused at start-up in vLLM's default cache mode;
 * Llama 4 at TP=1 and TP=2: three chunked local attention layers (64-token chunks) and a
   full-attention one, each a KV-cache group of vLLM's hybrid manager;
+* the Llama with 1 KV head under three cache salts (vLLM's per-request isolation);
 * speculative decoding: a Llama with a draft model of its own (its twin with one KV
   head) at TP=1 and TP=2, and with an EAGLE head at TP=1, against vLLM's own prefix
   cache with the same head; DeepSeek-V3 with its MTP layer at TP=1, against
@@ -208,6 +209,8 @@ CHUNKED = {
         prompt_tokens=230,
     ),
 }
+#: The prompt under cache salts a, b, a: vLLM's per-request cache isolation.
+SALTED = {"llama-1kv-tp1-salted": Case("llama-1kv", 1, {}, args=("--cache-salt", "a,b,a"))}
 #: Speculative decoding. A draft model (vLLM's ``draft_model`` method) that is the
 #: target's twin with one KV head instead of two copies of it: its own layers' K/V pages
 #: beside the target's, stored once for the TP group (one head), and every token it
@@ -319,6 +322,7 @@ def engine_run(
                 or MAMBA.get(name)
                 or CHUNKED.get(name)
                 or SPECULATIVE.get(name)
+                or SALTED.get(name)
                 or REFERENCES[name]
             )
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
@@ -658,4 +662,20 @@ def test_deepseeks_mtp_layer_is_stored_in_the_latents_replicated_page(
     assert len(blocks) == 6
     assert all(dict(pages) == {"lg0/replicated": 1} for pages in blocks.values())
     assert stored_regions(store) == [{(0, "latent"), (1, "latent"), (2, "draft_latent")}]
+    assert "did not load" not in log
+
+
+def test_a_prompt_under_another_cache_salt_misses_and_under_its_own_hits(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """vLLM's ``cache_salt`` keeps one tenant's cache from another's: the prompt saved
+    under salt ``a`` is a miss under ``b`` (which saves pages of its own) and a hit
+    under ``a`` again."""
+    store, result, log = engine_run("llama-1kv-tp1-salted")
+    under_a, under_b, again_a = result["runs"]
+    assert under_a["num_cached_tokens"] == 0
+    assert under_b["num_cached_tokens"] == 0
+    assert again_a["num_cached_tokens"] == 3 * 32
+    assert under_b["logprobs"] == under_a["logprobs"] == again_a["logprobs"]
+    assert len(pages_per_block(store)) == 2 * 3  # each salt's three blocks
     assert "did not load" not in log
