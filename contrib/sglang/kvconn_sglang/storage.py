@@ -318,14 +318,20 @@ class KvconnHiCacheStorage(HiCacheStorage):
     def _side_units(self, pool: HostPoolShape) -> int:
         """A side pool's units by heads. A Mamba state is split by heads over the ranks,
         none duplicated: each rank's its own. A draft model's K/V heads are its own
-        count, which the storage cannot read: keyed per rank (a duplicated draft head is
-        stored once per rank; assumed wrongly, a count would store two ranks' different
-        heads as one page). Identical pools (latents, indexers) have one unit."""
+        count, read from the draft model's config (``speculative_draft_model_path``), so
+        a draft head SGLang duplicates on several ranks is stored once; unknown, or not
+        fitting the pool, the draft's K/V is keyed per rank (assumed wrongly, a count
+        would store two ranks' different heads as one page). Identical pools (latents,
+        indexers) have one unit."""
         tp: int = self.storage_config.tp_size
         if pool.name == PoolName.SWA:
             return self._swa_units(pool)
         if pool.kind == "mamba":
             return tp
+        if pool.kind == "mha" and pool.name == PoolName.DRAFT:
+            config = _draft_model_config()
+            served = None if config is None else int(config.get_total_num_kv_heads())
+            return _units_or_per_rank(pool, tp, served)
         if pool.kind == "mha":
             return kv_units(pool.head_num, tp, None)
         return 1
@@ -927,6 +933,22 @@ def _served_model_config() -> Any:
         return ModelConfig.from_server_args(server_args)
     except Exception as exc:  # a config SGLang cannot read
         log.info("kvconn HiCache storage: the model's KV head count is unknown (%s)", exc)
+        return None
+
+
+def _draft_model_config() -> Any:
+    """SGLang's ``ModelConfig`` of the speculative draft model, or ``None`` (no draft
+    model, no published server arguments, or a config SGLang cannot read)."""
+    server_args = _published_server_args()
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if path is None:
+        return None
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return ModelConfig.from_server_args(server_args, model_path=path, is_draft_model=True)
+    except Exception as exc:  # a config SGLang cannot read
+        log.info("kvconn HiCache storage: the draft model's KV head count is unknown (%s)", exc)
         return None
 
 

@@ -116,6 +116,9 @@ class Case:
     pipeline: bool = False
     #: A speculative draft model's KV pool, registered after the storage started.
     draft: bool = False
+    #: The draft model's global KV heads (MHA), published as its config
+    #: (``speculative_draft_model_path``); None: no draft config is published.
+    draft_kv_heads: int | None = None
     #: ``swa``: SGLang's window in pages (``SWAComponent.full_window_pages``; a Mamba
     #: pool's is 1), and the pages whose SWA K/V or Mamba state the backups store
     #: (default: the last window), as the backups of several radix nodes would, each
@@ -171,7 +174,10 @@ class Case:
             return rank
         if self.model in ("mla", "dsa") or pool == "indexer":
             return 0
-        num_shards = min(WORLD, self.global_kv_heads)
+        heads = self.global_kv_heads
+        if pool == "draft" and self.draft_kv_heads is not None:
+            heads = self.draft_kv_heads
+        num_shards = min(WORLD, heads)
         return rank // (WORLD // num_shards)
 
 
@@ -225,6 +231,8 @@ def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[list[dict
         for i, case in enumerate(cases):
             model_dirs.append(os.path.join(model_root, str(i)))
             _write_model_config(model_dirs[-1], case)
+            if case.draft_kv_heads is not None:
+                _write_model_config(f"{model_dirs[-1]}-draft", case, case.draft_kv_heads)
         args = (free_port(), model_dirs, list(cases))
         out = run_ranks(_rank_main, WORLD, args, timeout_s=timeout_s)
     finally:
@@ -235,12 +243,14 @@ def run_cases(cases: Sequence[Case], timeout_s: float = 600.0) -> list[list[dict
     return [[out[r][i] for r in range(WORLD)] for i in range(len(cases))]
 
 
-def _write_model_config(path: str, case: Case) -> None:
-    """A tiny Llama's config.json with the case's global KV heads.
+def _write_model_config(path: str, case: Case, kv_heads: int | None = None) -> None:
+    """A tiny Llama's config.json with the case's global KV heads (or ``kv_heads``: a
+    draft model's).
 
     ServerArgs resolves the served model's config at publish, and the adapter reads the
     model's KV head count from it. No weights: HiCache never runs the model.
     """
+    heads = case.global_kv_heads if kv_heads is None else kv_heads
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -248,8 +258,8 @@ def _write_model_config(path: str, case: Case) -> None:
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_hidden_layers": case.layers * case.pp_size * (2 if case.trailing_pool else 1),
-        "num_attention_heads": 4 * case.global_kv_heads,
-        "num_key_value_heads": case.global_kv_heads,
+        "num_attention_heads": 4 * heads,
+        "num_key_value_heads": heads,
         "head_dim": case.head_dim,
         "max_position_embeddings": 4096,
         "torch_dtype": case.dtype,
@@ -305,6 +315,17 @@ def _publish(case: Case, rank: int, model_dir: str) -> None:
         # The host pool is built by hand in the case's layout (_pools); this only has to
         # be one that direct I/O accepts when the arguments are resolved.
         hicache_mem_layout="layer_first",
+        **(
+            {
+                "speculative_algorithm": "EAGLE",
+                "speculative_draft_model_path": f"{model_dir}-draft",
+                "speculative_num_steps": 1,
+                "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": 2,
+            }
+            if case.draft_kv_heads is not None
+            else {}
+        ),
     )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
 

@@ -167,6 +167,9 @@ def _cases(root: Path) -> dict[str, Case]:
             # EAGLE's MHA draft on an MHA target, DeepSeek MTP's MLA draft on MLA
             case("draft-mha-page-first", draft=True, layout="page_first"),
             case("draft-mla-layer-first", draft=True, model="mla"),
+            # a target of 2 KV heads (one a rank), an EAGLE draft of 1 that SGLang
+            # duplicates on both ranks: its K/V stored once, read from its config
+            case("draft-head-duplicated", draft=True, heads=1, draft_kv_heads=1),
             # after the hit query, the draft page of block 3 only rank 1 loads disappears
             case(
                 "draft-page-evicted",
@@ -230,6 +233,7 @@ def stored_value(runs: dict[str, Any], name: str, key: str) -> bytes:
 
 ALL_LOADED = [
     "draft-mha-page-first",
+    "draft-head-duplicated",
     "draft-mla-layer-first",
     "mamba-layer-first",
     "mamba-page-first",
@@ -728,6 +732,22 @@ def test_a_draft_pool_registered_after_start_up_is_stored_and_loaded_with_the_kv
             ("replicated", "lg1"): PAGES,
         }
         assert [written(r) for r in runs[name]] == [2 * PAGES, 0]
+
+
+def test_a_draft_head_duplicated_on_every_rank_is_stored_once_and_loaded_by_both(runs):
+    """The draft model's config (``speculative_draft_model_path``) says 1 KV head at
+    TP=2: both ranks hold the same head, so its pages are keyed once for the group
+    (written by one rank or the other, spread by block hash), beside each rank's own
+    target K/V; both ranks load the draft page byte for byte."""
+    name = "draft-head-duplicated"
+    for r in runs[name]:
+        assert r["pool_hit_pages"] == {"kv": PAGES, "draft": PAGES}
+        assert r["draft_pages_equal"] == [True] * PAGES, f"rank {r['rank']}"
+    assert stored_pages_by_group(runs, name) == {
+        **{(f"w{WORLD}r{rank}", "lg0"): PAGES for rank in range(WORLD)},
+        ("replicated", "lg1"): PAGES,
+    }
+    assert sum(written(r) for r in runs[name]) == WORLD * PAGES + PAGES
 
 
 def test_a_draft_page_lost_after_the_lookup_ends_the_load_there_on_both_ranks(runs):
