@@ -315,6 +315,12 @@ class KvconnHiCacheStorage(HiCacheStorage):
         once: the KV and the SWA pools' head counts both come from it, at every start."""
         return _served_model_config()
 
+    @functools.cached_property
+    def _draft_config(self) -> Any:
+        """SGLang's ``ModelConfig`` of the speculative draft model (``None``: none, or
+        unreadable), read once: each registration describes the layout again."""
+        return _draft_model_config()
+
     def _side_units(self, pool: HostPoolShape) -> int:
         """A side pool's units by heads. A Mamba state is split by heads over the ranks,
         none duplicated: each rank's its own. A draft model's K/V heads are its own
@@ -329,7 +335,7 @@ class KvconnHiCacheStorage(HiCacheStorage):
         if pool.kind == "mamba":
             return tp
         if pool.kind == "mha" and pool.name == PoolName.DRAFT:
-            config = _draft_model_config()
+            config = self._draft_config
             served = None if config is None else int(config.get_total_num_kv_heads())
             return _units_or_per_rank(pool, tp, served)
         if pool.kind == "mha":

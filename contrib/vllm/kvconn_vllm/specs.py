@@ -113,14 +113,15 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                 f"vLLM hashes every {hash_block_size} tokens"
             )
         specs = [_layer_spec(group.kv_cache_spec, name) for name in group.layer_names]
+
+        def described(name: str, spec: KVCacheSpec) -> LayerBytes:
+            """A layer's bytes, a draft layer's in the draft model's heads."""
+            if name not in drafts:
+                return layer_bytes(spec, name, total_kv_heads, model, tp)
+            return dataclasses.replace(layer_bytes(spec, name, draft_heads, model, tp), draft=True)
+
         layers = tuple(
-            (
-                name,
-                dataclasses.replace(layer_bytes(spec, name, draft_heads, model, tp), draft=True)
-                if name in drafts
-                else layer_bytes(spec, name, total_kv_heads, model, tp),
-            )
-            for name, spec in zip(group.layer_names, specs)
+            (name, described(name, spec)) for name, spec in zip(group.layer_names, specs)
         )
         states = [isinstance(spec, MambaSpec) for spec in specs]
         if any(states):

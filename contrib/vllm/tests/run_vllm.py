@@ -53,31 +53,35 @@ def make_tiny_llama(path: str, kv_heads: int, seed: int = 0, layers: int = 2) ->
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
+#: The tiny DeepSeek models' MLA geometry (a 576-element latent per token, 4 heads) and
+#: their dense MLPs (no layer reaches ``first_k_dense_replace``).
+TINY_MLA: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 100,
+    "max_position_embeddings": 1024,
+}
+
+
 def make_tiny_deepseek_v2(path: str, seed: int = 0) -> None:
     """A random 2-layer DeepSeek-V2 (MLA: a 576-element latent per token, 4 heads)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     torch.manual_seed(seed)
-    config = DeepseekV2Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=100,
-        max_position_embeddings=1024,
-    )
+    config = DeepseekV2Config(num_hidden_layers=2, **TINY_MLA)
     DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(path)
 
 
@@ -93,26 +97,11 @@ def make_tiny_deepseek_v3_mtp(path: str, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     config = DeepseekV3Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
         num_hidden_layers=3,  # the third becomes the MTP layer's decoder block
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=512,
-        q_lora_rank=None,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
         n_group=1,
         topk_group=1,
-        first_k_dense_replace=100,
-        max_position_embeddings=1024,
         rope_scaling=None,
+        **TINY_MLA,
     )
     DeepseekV3ForCausalLM(config).to(torch.float32).save_pretrained(path)
     weights = load_file(str(Path(path, "model.safetensors")))
