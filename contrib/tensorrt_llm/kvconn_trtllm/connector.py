@@ -5,8 +5,9 @@ that drives it, checked against TensorRT-LLM's source (contrib/tensorrt_llm/test
 standin, docs/engines/tensorrt-llm.md); never against the engine itself.
 
 Scheduler (rank 0, no KV tensors, no torch for keys): ``get_num_new_matched_tokens``
-hashes the request's full blocks with kvconn's own chain (scoped by its LoRA task;
-requests with multimodal inputs are left alone) and answers from one torch-free
+hashes the request's full blocks with kvconn's own chain, over what TensorRT-LLM's
+own block keys hold (its cache salt, LoRA task and multimodal items,
+:mod:`kvconn_trtllm.hashes`), and answers from one torch-free
 ``Lookup`` within ``lookup_timeout_s`` (a slow store is a miss, never a blocked
 executor; once one lookup is that late, later requests are misses at once until the
 store answers it). A hit is an *asynchronous* load: TensorRT-LLM takes the request out of the
@@ -57,12 +58,12 @@ from kvconn.calls import BackendCalls
 from kvconn.connector import Connector
 from kvconn.cpus import connecting_on
 from kvconn.errors import ConfigError, KvconnError
-from kvconn.hashing import ReuseScope, block_hashes
 from kvconn.layout import KvLayout
 from kvconn.lookup import DeadlineLookup, Lookup
 from kvconn.transfer import LoadRequest, SaveRequest, TransferService
 from kvconn.transfer import Transfer as Handle
 from kvconn_trtllm.group import tp_group
+from kvconn_trtllm.hashes import request_hashes
 from kvconn_trtllm.layout import describe_pool
 from kvconn_trtllm.settings import TrtllmSettings
 
@@ -315,13 +316,10 @@ class KvconnScheduler(KvCacheConnectorScheduler):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        if getattr(request, "multimodal_hashes", None):
-            # placeholder tokens look alike across images: never look up nor save these
-            return 0, False
         tokens = list(request.get_tokens(0))
-        lora = getattr(request, "lora_task_id", None)
-        scope = ReuseScope(lora_id=None if lora is None else str(lora))
-        hashes = block_hashes(tokens, self.tokens_per_block, scope)
+        hashes = request_hashes(request, tokens, self.tokens_per_block)
+        if hashes is None:  # blocks kvconn cannot key safely: neither looked up nor saved
+            return 0, False
         state = _Request(hashes)
         self._requests[request.request_id] = state
         # at least one prompt token must be computed for the request to produce logits

@@ -45,6 +45,11 @@ from kvconn.testing.ranks import run_ranks
 STANDIN = str(Path(__file__).parent / "standin")
 
 
+#: A multimodal item of a prompt: its content hash (8 int32 words, as TensorRT-LLM's
+#: ``multimodal_hashes``), its first placeholder token and its number of tokens.
+Image = tuple[tuple[int, ...], int, int]
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A model shape, a TP width and the prompts to serve one after the other."""
@@ -52,6 +57,13 @@ class Scenario:
     prompts: tuple[tuple[int, ...], ...]
     #: the LoRA task of each prompt (None: the base model)
     loras: tuple[int | None, ...] = ()
+    #: the cache salt id of each prompt (None: no salt)
+    salts: tuple[int | None, ...] = ()
+    #: the multimodal items of each prompt: (8-word content hash, position, length)
+    images: tuple[tuple[Image, ...], ...] = ()
+    #: requests carry multimodal items that TensorRT-LLM could not hash (an embedding
+    #: passed without hashes)
+    unhashed_images: bool = False
     tp: int = 2
     layers: int = 2
     kv_factor: int = 2  # 1: MLA
@@ -84,13 +96,27 @@ class _Request:
 
     is_generation_only_request = False
 
-    def __init__(self, request_id: int, prompt: list[int], lora: int | None) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        prompt: list[int],
+        lora: int | None = None,
+        salt: int | None = None,
+        images: tuple[Image, ...] = (),
+    ) -> None:
         from tensorrt_llm.bindings import LlmRequestState
 
         self.request_id = self.py_request_id = request_id
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.lora_task_id = lora
+        self.cache_salt_id = salt
+        # TensorRT-LLM gives None, not empty lists, to a request without such inputs
+        self.multimodal_hashes = [list(h) for h, _, _ in images] or None
+        self.multimodal_positions = [p for _, p, _ in images] or None
+        self.multimodal_lengths = [n for _, _, n in images] or None
+        self.multimodal_embedding = None
+        self.prompt_embedding_table = None
         self.state = LlmRequestState.CONTEXT_INIT
         self.context_current_position = 0
         self.context_chunk_size = 0
@@ -150,6 +176,19 @@ def run(scenarios: Sequence[Scenario], timeout_s: float = 300.0) -> list[list[di
     return [[by_rank[r][i] for r in range(tp)] for i in range(len(scenarios))]
 
 
+def block_identity(prompt: Sequence[int], lora: int | None, images: tuple[Image, ...], tpb: int):
+    """What each full block's KV bytes are a function of: the LoRA task, every token up to
+    the block's end and every multimodal item that starts before it (not the cache salt,
+    which only says who may share them). Independent of kvconn's hashes, so a block
+    loaded from the wrong request shows as wrong bytes."""
+    out = []
+    for b in range(len(prompt) // tpb):
+        end = (b + 1) * tpb
+        seen = [(h, p, n) for h, p, n in images if p < end]
+        out.append(repr((lora, list(prompt[:end]), seen)).encode())
+    return out
+
+
 def block_bytes(scenario: Scenario, block_hash: bytes, shard: int, numel: int) -> Any:
     import torch
 
@@ -185,7 +224,7 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
     from tensorrt_llm.bindings import LlmRequestState as State
     from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
-    from kvconn.hashing import ReuseScope, block_hashes
+    from kvconn_trtllm.hashes import request_hashes
 
     args = TorchLlmArgs(
         model="org/stand-in-model",
@@ -218,15 +257,21 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
         "forward_pass_callable": forward_pass_callable is not None,
     }
 
-    def content(hashes: list[bytes], b: int) -> Any:
-        return block_bytes(sc, hashes[b] if b < len(hashes) else b"generated", shard, block_numel)
+    def content(identity: list[bytes], b: int) -> Any:
+        return block_bytes(
+            sc, identity[b] if b < len(identity) else b"generated", shard, block_numel
+        )
 
     for i, prompt in enumerate(sc.prompts):
         lora = sc.loras[i] if i < len(sc.loras) else None
-        req = _Request(i, list(prompt), lora)
-        hashes = block_hashes(
-            list(prompt), tpb, ReuseScope(lora_id=None if lora is None else str(lora))
-        )
+        salt = sc.salts[i] if i < len(sc.salts) else None
+        images = sc.images[i] if i < len(sc.images) else ()
+        req = _Request(i, list(prompt), lora, salt, images)
+        if sc.unhashed_images:
+            req.multimodal_hashes = None
+            req.multimodal_embedding = "an image's embedding"
+        identity = block_identity(prompt, lora, images, tpb)
+        hashes = request_hashes(req, list(prompt), tpb) or []  # the keys, for evictions
         entry: dict[str, Any] = {"steps": 0, "saving_async": [], "handed_over_by_step": []}
         report["requests"].append(entry)
         finished = False
@@ -275,7 +320,7 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                 ids = blocks.get_cache_indices(req)
                 hit = entry.get("matched_tokens", 0) // tpb
                 entry["loaded_equal"] = [
-                    bool(torch.equal(pool[ids[b]].view(-1).view(torch.uint8), content(hashes, b)))
+                    bool(torch.equal(pool[ids[b]].view(-1).view(torch.uint8), content(identity, b)))
                     for b in range(hit)
                 ]
                 entry["untouched"] = [bool((pool[ids[b]] == 0).all()) for b in range(hit)]
@@ -288,7 +333,7 @@ def _serve(rank: int, sc: Scenario) -> dict[str, Any]:
                     manager.layer_pre_hook(layer)
                     manager.layer_post_hook(layer)
                 for b in range(start // tpb, end // tpb):  # blocks this step completes
-                    pool[ids[b]].view(-1).view(torch.uint8).copy_(content(hashes, b))
+                    pool[ids[b]].view(-1).view(torch.uint8).copy_(content(identity, b))
                 if forward_pass_callable is not None:
                     forward_pass_callable()
                 worker.wait_for_save(None)

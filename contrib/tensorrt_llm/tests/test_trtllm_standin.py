@@ -17,6 +17,11 @@ SHARED = P[:16] + tuple(range(5000, 5006))  # the first 4 blocks of P, then its 
 EXACT = tuple(range(7000, 7020))  # exactly 5 blocks
 LONG = tuple(range(3000, 3040))  # 10 blocks
 LONG_SHARED = LONG[:16] + tuple(range(6000, 6024))  # 4 blocks of LONG, then 6 of its own
+# a prompt with an image: 8 text tokens (blocks 0-1), 8 placeholder tokens (blocks 2-3),
+# then 6 text tokens; which image the placeholders stand for is only in its hash
+V = tuple(range(1000, 1008)) + (32000,) * 8 + tuple(range(1016, 1022))
+IMAGE_A = ((1, 2, 3, 4, 5, 6, 7, -5), 8, 8)  # words are int32: negative ones occur
+IMAGE_B = ((9, 10, 11, 12, 13, 14, 15, 16), 8, 8)
 
 
 def config(tmp: Path, name: str, extra: str = "", top: str = "") -> dict[str, str]:
@@ -41,6 +46,18 @@ def runs(tmp_path_factory):
         ),
         "mla": Scenario((P, P), kv_factor=1, env=config(tmp, "mla")),
         "lora": Scenario((P, P, P), loras=(None, 7, 7), env=config(tmp, "lora")),
+        "salt": Scenario((P, P, P, P), salts=(None, 11, 12, 11), env=config(tmp, "salt")),
+        "vlm": Scenario(
+            (V, V, V, V),
+            images=((IMAGE_A,), (IMAGE_A,), (IMAGE_B,), (IMAGE_B,)),
+            env=config(tmp, "vlm"),
+        ),
+        "unhashed": Scenario(
+            (V, V),
+            images=((IMAGE_A,), (IMAGE_A,)),
+            unhashed_images=True,
+            env=config(tmp, "unhashed"),
+        ),
         "chunked": Scenario(
             (LONG, LONG_SHARED, LONG), chunk=8, max_tokens=3, env=config(tmp, "chunked")
         ),
@@ -176,6 +193,34 @@ def test_the_same_prompt_under_another_lora_adapter_misses(runs):
     for r in served(runs, "lora"):
         assert [e["matched_tokens"] for e in r["requests"]] == [0, 0, 20]
         assert r["requests"][2]["loaded_equal"] == [True] * 5
+
+
+def test_the_same_prompt_under_another_cache_salt_misses_and_under_its_own_hits(runs):
+    # TensorRT-LLM's cache_salt_id keeps tenants apart in its own block reuse; kvconn's
+    # store must not join what the engine keeps apart
+    for r in served(runs, "salt"):
+        assert [e["matched_tokens"] for e in r["requests"]] == [0, 0, 0, 20]
+        assert r["requests"][3]["loaded_equal"] == [True] * 5
+
+
+def test_a_prompt_with_another_image_shares_only_the_text_blocks_before_it(runs):
+    _, tmp = runs
+    for r in served(runs, "vlm"):
+        same, other, other_again = r["requests"][1:]
+        assert same["matched_tokens"] == 20 and same["loaded_equal"] == [True] * 5
+        # blocks 0-1 are text before the image: shared; block 2 holds image B, not A
+        assert other["matched_tokens"] == 8 and other["loaded_equal"] == [True] * 2
+        assert other_again["matched_tokens"] == 20 and other_again["loaded_equal"] == [True] * 5
+    # blocks 0-1 once, blocks 2-4 under each image: per rank
+    assert stored_components(str(tmp / "vlm")) == {"w2r0": 8, "w2r1": 8}
+
+
+def test_images_without_hashes_are_neither_looked_up_nor_saved(runs):
+    _, tmp = runs
+    for r in served(runs, "unhashed"):
+        assert [e["matched_tokens"] for e in r["requests"]] == [0, 0]
+        assert written(r) == 0
+    assert stored_components(str(tmp / "unhashed")) == {}
 
 
 def test_chunked_prefill_saves_each_chunks_blocks_in_its_own_step(runs):

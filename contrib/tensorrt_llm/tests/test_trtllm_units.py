@@ -14,8 +14,9 @@ from tensorrt_llm._torch.pyexecutor.kv_cache_connector import RequestData, Sched
 from tensorrt_llm.llmapi.llm_args import KvCacheConfig, TorchLlmArgs
 
 from kvconn.errors import ConfigError, LayoutError
+from kvconn.hashing import block_hashes
 from kvconn.plan import plan_pages
-from kvconn_trtllm import connector
+from kvconn_trtllm import connector, hashes
 from kvconn_trtllm.layout import describe_pool
 from kvconn_trtllm.settings import TrtllmSettings
 
@@ -123,14 +124,16 @@ def test_a_scheduler_without_a_worker_in_its_process_says_where_it_must_run(monk
         scheduler.get_num_new_matched_tokens(Request(), 0)
 
 
-def test_a_request_with_multimodal_inputs_is_neither_looked_up_nor_saved(monkeypatch):
+def test_a_request_with_multimodal_inputs_it_cannot_key_is_neither_looked_up_nor_saved(
+    monkeypatch,
+):
     monkeypatch.setattr(connector, "_published", None)  # a lookup would raise
     args = TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=4))
     scheduler = connector.KvconnScheduler(args)
 
     class Request:
         request_id = 3
-        multimodal_hashes = [[1, 2, 3]]
+        multimodal_hashes = [[1, 2, 3]]  # 3 words, and no positions
 
         def get_tokens(self, beam):
             return list(range(40))
@@ -138,6 +141,81 @@ def test_a_request_with_multimodal_inputs_is_neither_looked_up_nor_saved(monkeyp
     assert scheduler.get_num_new_matched_tokens(Request(), 0) == (0, False)
     output = SchedulerOutput(new_requests=[RequestData(3, list(range(40)), list(range(10)), 0, 40)])
     assert scheduler.build_connector_meta(output).saves == []
+
+
+def request(**fields):
+    """A TensorRT-LLM request as the hashes read it: None for every absent input."""
+    base = dict.fromkeys(
+        (
+            "cache_salt_id",
+            "lora_task_id",
+            "multimodal_hashes",
+            "multimodal_positions",
+            "multimodal_lengths",
+            "multimodal_embedding",
+            "prompt_embedding_table",
+        )
+    )
+    return types.SimpleNamespace(request_id=1, **(base | fields))
+
+
+TOKENS = list(range(100, 124))  # 6 blocks of 4
+A = [1, 2, 3, 4, 5, 6, 7, -8]
+
+
+def test_the_cache_salt_and_the_lora_task_seed_the_chain_as_in_the_engines_block_keys():
+    plain = hashes.request_hashes(request(), TOKENS, 4)
+    assert plain == block_hashes(TOKENS, 4)
+    salted = hashes.request_hashes(request(cache_salt_id=2**64 - 1), TOKENS, 4)
+    assert len(salted) == 6 and not set(salted) & set(plain)
+    assert salted != hashes.request_hashes(request(cache_salt_id=2**64 - 2), TOKENS, 4)
+    lora = hashes.request_hashes(request(lora_task_id=3), TOKENS, 4)
+    assert not set(lora) & set(plain) and not set(lora) & set(salted)
+
+
+def test_a_block_names_each_image_it_overlaps_and_where_in_the_image_it_starts():
+    # an image over tokens 6-13: blocks 1 (from its start), 2 (4 tokens in), 3 (8 in)
+    extras = hashes.mm_extras(
+        request(multimodal_hashes=[A], multimodal_positions=[6], multimodal_lengths=[8]), 4, 6
+    )
+    digest = b"".join((w & 0xFFFFFFFF).to_bytes(4, "big") for w in A)
+    assert extras == [
+        b"",
+        digest + (0).to_bytes(8, "little"),
+        digest + (2).to_bytes(8, "little"),
+        digest + (6).to_bytes(8, "little"),
+        b"",
+        b"",
+    ]
+    assert hashes.mm_extras(request(), 4, 6) == []
+
+
+def test_another_image_changes_the_blocks_from_its_first_one_on_and_no_block_before():
+    def with_image(words, position=8):
+        r = request(
+            multimodal_hashes=[words], multimodal_positions=[position], multimodal_lengths=[4]
+        )
+        return hashes.request_hashes(r, TOKENS, 4)
+
+    a, b = with_image(A), with_image(list(range(8)))
+    assert a[:2] == b[:2] == block_hashes(TOKENS, 4)[:2]  # text before the image: shared
+    assert not set(a[2:]) & set(b[2:])
+    assert with_image(A, position=9)[2:] != a[2:]  # the same image at another place
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"multimodal_hashes": [A]},  # no positions nor lengths
+        {"multimodal_hashes": [A], "multimodal_positions": [0, 4], "multimodal_lengths": [4]},
+        {"multimodal_hashes": [A[:7]], "multimodal_positions": [0], "multimodal_lengths": [4]},
+        {"multimodal_hashes": [A], "multimodal_positions": [0], "multimodal_lengths": [0]},
+        {"multimodal_embedding": object()},  # an image with no hash
+        {"prompt_embedding_table": object()},  # prompt tuning: virtual tokens
+    ],
+)
+def test_inputs_the_token_ids_do_not_name_keep_a_request_out_of_the_store(fields):
+    assert hashes.request_hashes(request(**fields), TOKENS, 4) is None
 
 
 # ------------------------------------------------------------ the 1.2 interface
