@@ -131,6 +131,23 @@ def _require_block_reuse(llm_args: Any) -> None:
         )
 
 
+def _refuse_pools_out_of_reach(llm_args: Any) -> None:
+    """An NVFP4 KV cache keeps its block scales in pools of their own, beside the values'
+    pool; TensorRT-LLM hands a connector only the first primary pool
+    (``get_unique_primary_pool``), so a load would restore values under another block's
+    scales: refused at start-up rather than served wrong."""
+    dtype = str(getattr(llm_args.kv_cache_config, "dtype", "auto") or "auto").lower()
+    algo = getattr(getattr(llm_args, "quant_config", None), "kv_cache_quant_algo", None)
+    algo = str(getattr(algo, "value", algo) or "").upper()
+    if dtype == "nvfp4" or algo.endswith("NVFP4"):
+        raise ConfigError(
+            "the kvconn connector cannot store an NVFP4 KV cache: its block scales live in "
+            "pools TensorRT-LLM does not hand to a KV-cache connector (only the values' "
+            "pool), so loaded blocks would be read under stale scales; use an FP8 or "
+            "16-bit KV cache with the connector"
+        )
+
+
 def _gather(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (TensorRT-LLM's MPI world is the TP group:
     pipeline parallelism and attention DP are refused)."""
@@ -147,6 +164,7 @@ class KvconnWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.rank, self.tp_size = _tp(llm_args)
         _require_block_reuse(llm_args)
+        _refuse_pools_out_of_reach(llm_args)
         self.settings = TrtllmSettings.load(llm_args)
         self.connector: Connector | None = None
         self.transfers: TransferService | None = None
@@ -293,6 +311,7 @@ class KvconnScheduler(KvCacheConnectorScheduler):
         super().__init__(llm_args)
         _, self.tp_size = _tp(llm_args)
         _require_block_reuse(llm_args)
+        _refuse_pools_out_of_reach(llm_args)
         self.tokens_per_block = _tokens_per_block(llm_args)
         self.settings = TrtllmSettings.load(llm_args)
         self._lookup: DeadlineLookup | None = None

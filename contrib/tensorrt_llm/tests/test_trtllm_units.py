@@ -421,6 +421,32 @@ def test_without_block_reuse_the_connector_is_refused_at_start_up(cls):
         getattr(connector, cls)(args)
 
 
+@pytest.mark.parametrize("cls", ["KvconnWorker", "KvconnScheduler"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"kv_cache_config": KvCacheConfig(dtype="nvfp4")},
+        # QuantConfig(kv_cache_quant_algo=QuantAlgo.NVFP4): an enum whose value is its name
+        {
+            "quant_config": types.SimpleNamespace(
+                kv_cache_quant_algo=types.SimpleNamespace(value="NVFP4")
+            )
+        },
+    ],
+)
+def test_an_nvfp4_kv_cache_whose_scales_the_connector_never_sees_is_refused(cls, args):
+    with pytest.raises(ConfigError, match="NVFP4 KV cache"):
+        getattr(connector, cls)(TorchLlmArgs(model="m", **args))
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8"])
+def test_an_fp8_or_16_bit_kv_cache_is_stored(dtype):
+    scheduler = connector.KvconnScheduler(
+        TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(dtype=dtype))
+    )
+    assert scheduler.tokens_per_block == 32
+
+
 def test_on_a_store_that_never_answers_only_the_first_new_request_waits(monkeypatch, tmp_path):
     """TensorRT-LLM 1.2 cannot be asked again later, so the scheduler waits for a
     lookup up to ``lookup_timeout_s``; on a silent store (a real Redis client against a

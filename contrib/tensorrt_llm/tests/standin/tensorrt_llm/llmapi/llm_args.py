@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -16,6 +17,7 @@ class KvCacheConnectorConfig:
 class KvCacheConfig:
     tokens_per_block: int = 32
     enable_block_reuse: bool = True
+    dtype: str = "auto"  # "auto", "fp8", "nvfp4"
 
 
 @dataclass
@@ -26,3 +28,5 @@ class TorchLlmArgs:
     enable_attention_dp: bool = False
     kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
     kv_connector_config: KvCacheConnectorConfig | None = None
+    #: tensorrt_llm.models.modeling_utils.QuantConfig: its kv_cache_quant_algo (QuantAlgo)
+    quant_config: Any = None
