@@ -245,6 +245,39 @@ def make_tiny_eagle(path: str, seed: int = 7) -> None:
     config.save_pretrained(path)
 
 
+def make_tiny_lora(path: str, seed: int) -> None:
+    """A random rank-8 LoRA adapter (PEFT's layout) for the 1-KV-head tiny Llama, on
+    every attention projection: its K and V differ from the base model's, so a block
+    computed under one adapter is wrong under another or under none."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    rank = 8
+    outputs = {"q_proj": 128, "k_proj": 64, "v_proj": 64, "o_proj": 128}  # 1 KV head of 64
+    weights = {}
+    for layer in range(2):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{name}.lora_A.weight"] = torch.randn(rank, 128) * 0.1
+            weights[f"{name}.lora_B.weight"] = torch.randn(out, rank) * 0.1
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(Path(path, "adapter_model.safetensors")))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(outputs),
+        "base_model_name_or_path": "llama-1kv",
+    }
+    Path(path, "adapter_config.json").write_text(json.dumps(config))
+
+
 #: Model name -> maker(path).
 MODELS: dict[str, Callable[[str], None]] = {
     "llama-1kv": lambda path: make_tiny_llama(path, 1),
@@ -260,6 +293,8 @@ MODELS: dict[str, Callable[[str], None]] = {
     "llama-twin-2kv": lambda path: make_tiny_llama_twin(path, 2),
     "eagle-llama": make_tiny_eagle,  # a draft head for llama-2kv
     "deepseek-v3-mtp": make_tiny_deepseek_v3_mtp,
+    "lora-a": lambda path: make_tiny_lora(path, 1),  # adapters for llama-1kv
+    "lora-b": lambda path: make_tiny_lora(path, 2),
 }
 
 
@@ -311,18 +346,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disable_log_stats=False,
         kv_transfer_config=transfer_config(args, kvconn),
         speculative_config=speculative_config(args),
+        **({"enable_lora": True, "max_lora_rank": 8, "max_loras": 2} if args.lora else {}),
     )
     if args.workload == "concurrent":
         return concurrent(llm, args)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, detokenize=False)
     tokens = prompt_tokens(args.prompt_tokens)
     salts = args.cache_salt.split(",") if args.cache_salt else []
+    adapters = args.lora.split(",") if args.lora else []
     markers: dict[int, list[tuple[str, str]]] = {}
     for spec in args.marker:
         run_number, name, *text = spec.split(":", 2)
         markers.setdefault(int(run_number), []).append((name, text[0] if text else ""))
     runs = []
-    for n in range(1, max([args.generations, len(salts), *markers]) + 1):
+    for n in range(1, max([args.generations, len(salts), len(adapters), *markers]) + 1):
         prompt = TokensPrompt(prompt_token_ids=tokens)
         if salts:  # vLLM's per-request cache isolation (one tenant's salt)
             prompt["cache_salt"] = salts[(n - 1) % len(salts)]
@@ -334,7 +371,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             Path(args.store, name).write_text(text)  # read by kvconn_test_drop
         started = time.monotonic()
         drafted = speculation(llm)
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        lora = lora_request(adapters[(n - 1) % len(adapters)]) if adapters else None
+        out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
         seconds = time.monotonic() - started
         now = speculation(llm)
         runs.append(
@@ -347,6 +385,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         Path(args.store, "stall").unlink(missing_ok=True)  # a stall lasts one run
     return {"runs": runs}
+
+
+def lora_request(adapter: str) -> Any:
+    """The LoRA adapter in directory ``adapter`` (its id from its path), or ``-``: none."""
+    import zlib
+
+    from vllm.lora.request import LoRARequest
+
+    if adapter == "-":
+        return None
+    return LoRARequest(Path(adapter).name, 1 + zlib.crc32(adapter.encode()) % 10_000, adapter)
 
 
 def transfer_config(args: argparse.Namespace, kvconn: dict[str, Any]) -> Any:
@@ -490,6 +539,12 @@ def main() -> None:
     parser.add_argument("--draft", metavar="DIR", help="a draft model: speculative decoding")
     parser.add_argument("--draft-method", default="eagle", help="vLLM's speculative method")
     parser.add_argument("--draft-tokens", type=int, default=2, help="tokens proposed a step")
+    parser.add_argument(
+        "--lora",
+        metavar="DIR,...",
+        help="the LoRA adapter of the prompt in each generation ('-': none; as many "
+        "generations as adapters)",
+    )
     parser.add_argument(
         "--cache-salt",
         metavar="SALT,SALT...",

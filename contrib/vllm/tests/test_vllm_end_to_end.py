@@ -13,7 +13,8 @@ over an LMDB store in a temporary directory.
   only with its cache on), and refused at start-up in vLLM's default cache mode;
 * Llama 4 at TP=1 and TP=2: three chunked local attention layers (64-token chunks) and a
   full-attention one, each a KV-cache group of vLLM's hybrid manager;
-* the Llama with 1 KV head under three cache salts (vLLM's per-request isolation);
+* the Llama with 1 KV head under three cache salts (vLLM's per-request isolation), and
+  under two LoRA adapters and none;
 * speculative decoding: a Llama with a draft model of its own (its twin with one KV
   head) at TP=1 and TP=2, and with an EAGLE head at TP=1, against vLLM's own prefix
   cache with the same head; DeepSeek-V3 with its MTP layer at TP=1, against
@@ -68,6 +69,8 @@ class Case:
     pp: int = 1  # pipeline stages
     prompt_tokens: int = PROMPT_TOKENS
     draft: str | None = None  # a draft model (``run_vllm.MODELS``): speculative decoding
+    #: the LoRA adapter (``run_vllm.MODELS``; None: the base model) of each generation
+    loras: tuple[str | None, ...] = ()
 
     @property
     def full_blocks(self) -> int:
@@ -211,6 +214,9 @@ CHUNKED = {
 }
 #: The prompt under cache salts a, b, a: vLLM's per-request cache isolation.
 SALTED = {"llama-1kv-tp1-salted": Case("llama-1kv", 1, {}, args=("--cache-salt", "a,b,a"))}
+#: The prompt under LoRA adapters a, b, a, then the base model: the adapters change K
+#: and V, so a block shared across them would be wrong bytes.
+LORA = {"llama-1kv-tp1-lora": Case("llama-1kv", 1, {}, loras=("lora-a", "lora-b", "lora-a", None))}
 #: Speculative decoding. A draft model (vLLM's ``draft_model`` method) that is the
 #: target's twin with one KV head instead of two copies of it: its own layers' K/V pages
 #: beside the target's, stored once for the TP group (one head), and every token it
@@ -323,12 +329,16 @@ def engine_run(
                 or CHUNKED.get(name)
                 or SPECULATIVE.get(name)
                 or SALTED.get(name)
+                or LORA.get(name)
                 or REFERENCES[name]
             )
             store = tmp_path_factory.mktemp(f"store-{name}") / "store"
             if case.draft is not None:
                 draft = ("--draft", str(tiny_model(case.draft)))
                 case = dataclasses.replace(case, args=(*case.args, *draft))
+            if case.loras:
+                loras = ",".join(str(tiny_model(a)) if a else "-" for a in case.loras)
+                case = dataclasses.replace(case, args=(*case.args, "--lora", loras))
             result, log = run_case(tiny_model(case.model), store, case)
             runs[name] = (store, result, log)
         return runs[name]
@@ -678,4 +688,20 @@ def test_a_prompt_under_another_cache_salt_misses_and_under_its_own_hits(
     assert again_a["num_cached_tokens"] == 3 * 32
     assert under_b["logprobs"] == under_a["logprobs"] == again_a["logprobs"]
     assert len(pages_per_block(store)) == 2 * 3  # each salt's three blocks
+    assert "did not load" not in log
+
+
+def test_a_prompt_under_another_lora_adapter_misses_and_under_its_own_hits(
+    engine_run: Callable[[str], EngineRun],
+) -> None:
+    """vLLM's block hashes name the LoRA adapter, and kvconn keys by them: the prompt
+    saved under adapter ``a`` is a miss under ``b`` and under the base model, whose K/V
+    differ, and a hit under ``a`` again with ``a``'s logprobs."""
+    store, result, log = engine_run("llama-1kv-tp1-lora")
+    under_a, under_b, again_a, base = result["runs"]
+    assert [r["num_cached_tokens"] for r in result["runs"]] == [0, 0, 3 * 32, 0]
+    assert again_a["logprobs"] == under_a["logprobs"]
+    # the adapters change what the model computes: a shared block would show
+    assert under_b["logprobs"] != under_a["logprobs"] != base["logprobs"]
+    assert len(pages_per_block(store)) == 3 * 3  # each adapter's and the base's blocks
     assert "did not load" not in log
