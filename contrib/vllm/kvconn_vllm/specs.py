@@ -10,6 +10,12 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
 * ``MLAAttentionSpec``: the MLA latent, and DeepSeek-V3.2's indexer keys (the same class
   with ``cache_role`` ``INDEXER``). vLLM itself declares them ``max_tp_shards=1``: every
   rank holds the whole cache, so kvconn stores it once (role units 1, ``replicated``).
+  A compressed one (``tokens_per_state`` > 1, a whole number of states per block:
+  Qwen4Exp's QSA keys, GLM-5.3's indexer, DeepSeek-V4.1's compressed KV) is a role of
+  its own per ratio (``latent_per4``, :func:`mla_bytes`).
+* ``SlidingWindowMLASpec`` (dots.llm3's sliding layers): an MLA latent with a window,
+  as below. With DeepSeek-V4.1's bounded replay vLLM does not prefix-cache the group,
+  and kvconn leaves it alone.
 * ``FullAttentionSpec``: K/V by head, ``units`` the model's total KV head count.
 * ``SlidingWindowSpec``: the same bytes, plus a window: the tokens a later token still
   attends to. vLLM frees blocks that fall out of it (``SlidingWindowManager``), and a
@@ -33,9 +39,9 @@ module of the adapter that looks at vLLM's types; the layout derivation itself
 * A speculative-decoding draft model's layers (an EAGLE or MTP head, or a draft model
   of its own, :func:`draft_layers`): the same specs, their roles ``draft_<role>`` and
   their units counted in the draft model's heads.
-* Any other spec (sink or R-SWA attention, cross attention, DeepSeek-V4's compressed
-  caches…) is refused: its blocks are not plain per-token KV
-  with the rules above.
+* Any other spec (sink or R-SWA attention, cross attention, hidden-state caches…) is
+  refused, as are groups of another block size than the others (DeepSeek-V4, Inkling):
+  their blocks are not plain per-token KV with the rules above.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
@@ -63,7 +70,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["cache_groups", "chunk_window", "dtype_tag", "mamba_bytes", "window_blocks"]
+__all__ = [
+    "cache_groups",
+    "chunk_window",
+    "dtype_tag",
+    "group_window",
+    "mamba_bytes",
+    "mla_bytes",
+    "window_blocks",
+]
 
 
 def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[CacheGroup, ...]:
@@ -132,16 +147,30 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                 )
             groups.append(CacheGroup(index, layers, window=1, kind="mamba"))
             continue
-        spec = group.kv_cache_spec
-        window: Window = None
-        if isinstance(spec, SlidingWindowSpec):
-            window = window_blocks(spec, block_size)
-        elif isinstance(spec, ChunkedLocalAttentionSpec):
-            window = chunk_window(spec, block_size, model)
-        groups.append(CacheGroup(index, layers, window))
+        groups.append(CacheGroup(index, layers, group_window(specs, block_size, model, index)))
     if not groups:
         raise ConfigError(f"kvconn's vLLM adapter found no KV cache it can store in {model}")
     return tuple(groups)
+
+
+def group_window(specs: list[KVCacheSpec], block_size: int, model: str, index: int) -> Window:
+    """The window of a group's layers, read off each layer's own spec (a group whose
+    layers differ in page size is a ``UniformTypeKVCacheSpecs`` wrapping theirs, which
+    says no window itself); every layer must need the same one."""
+    windows: set[Window] = set()
+    for spec in specs:
+        if isinstance(spec, SlidingWindowSpec):  # SlidingWindowMLASpec too
+            windows.add(window_blocks(spec, block_size))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            windows.add(chunk_window(spec, block_size, model))
+        else:
+            windows.add(None)
+    if len(windows) != 1:
+        raise ConfigError(
+            f"kvconn's vLLM adapter cannot store {model}'s KV cache group {index}: its "
+            f"layers need different windows ({sorted(map(str, windows))}) in one block table"
+        )
+    return windows.pop()
 
 
 def draft_layers(
@@ -177,15 +206,9 @@ def layer_bytes(
     kind = type(spec)
     if isinstance(spec, MambaSpec):
         return mamba_bytes(spec, layer, model, tp_size)
-    if kind is MLAAttentionSpec:
-        assert isinstance(spec, MLAAttentionSpec)
-        if spec.max_tp_shards not in (None, 1) or spec.tokens_per_state != 1:
-            raise ConfigError(
-                f"kvconn's vLLM adapter does not support {model}'s MLA cache in {layer} "
-                f"(max_tp_shards={spec.max_tp_shards}, tokens_per_state={spec.tokens_per_state})"
-            )
-        role = "index_k" if spec.cache_role is SparseCacheRole.INDEXER else "latent"
-        return LayerBytes(role, 1)
+    if kind in (MLAAttentionSpec, SlidingWindowMLASpec):
+        assert isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
+        return mla_bytes(spec, layer, model, tp_size)
     if kind in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
         assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec))
         if spec.tokens_per_state != 1:
@@ -196,9 +219,44 @@ def layer_bytes(
         return LayerBytes("kv", total_kv_heads)
     raise ConfigError(
         f"kvconn's vLLM adapter does not support {kind.__name__} layers ({model}: {layer}); "
-        "it stores full, sliding-window and chunked local attention, MLA caches and "
-        "Mamba states"
+        "it stores full, sliding-window and chunked local attention, MLA caches (also "
+        "sliding-window and compressed ones) and Mamba states"
     )
+
+
+def mla_bytes(
+    spec: MLAAttentionSpec | SlidingWindowMLASpec, layer: str, model: str, tp_size: int
+) -> LayerBytes:
+    """An MLA-format cache: a latent (or DeepSeek-V3.2's indexer keys) per token, or per
+    ``tokens_per_state`` tokens where the cache holds compressed states (Qwen4Exp's
+    QSA keys, GLM-5.3's indexer, DeepSeek-V4.1's compressed KV).
+
+    A compressed cache's block holds ``block_size / tokens_per_state`` states, each a
+    function of the prefix up to its last token like any KV entry; vLLM aligns hits to
+    ``tokens_per_state`` (the tokens of a group not yet compressed live in a ring buffer
+    it does not prefix-cache, empty at such a boundary), so a whole block is a page as
+    for any other cache. Its role names the ratio (``latent_per4``): the same bytes
+    compressed otherwise are other bytes. ``max_tp_shards=1`` is a cache every rank
+    holds whole, stored once; an uncompressed MLA cache vLLM leaves unmarked
+    (``None``) is too, as before (MiniMax-M3's index keys, checked); a compressed one
+    left unmarked is keyed per rank, vLLM's own reading of ``None``.
+    """
+    role = "index_k" if getattr(spec, "cache_role", None) is SparseCacheRole.INDEXER else "latent"
+    tps = spec.tokens_per_state
+    if not isinstance(tps, int) or tps < 1 or spec.block_size % tps:
+        raise ConfigError(
+            f"kvconn's vLLM adapter does not support {model}'s MLA cache in {layer}: "
+            f"{tps} tokens per stored state in {spec.block_size}-token blocks (it needs a "
+            "whole number of states per block)"
+        )
+    if spec.max_tp_shards not in (None, 1):
+        raise ConfigError(
+            f"kvconn's vLLM adapter does not support {model}'s MLA cache in {layer} "
+            f"(max_tp_shards={spec.max_tp_shards})"
+        )
+    if tps == 1:
+        return LayerBytes(role, 1)
+    return LayerBytes(f"{role}_per{tps}", 1 if spec.max_tp_shards == 1 else tp_size)
 
 
 def mamba_bytes(spec: MambaSpec, layer: str, model: str, tp_size: int) -> LayerBytes:
@@ -221,7 +279,8 @@ def mamba_bytes(spec: MambaSpec, layer: str, model: str, tp_size: int) -> LayerB
         raise ConfigError(
             f"kvconn's vLLM adapter does not store {model}'s Mamba state ({layer}) with "
             f"speculative decoding ({spec.num_speculative_blocks} speculative state "
-            "blocks, which vLLM relocates in place): serve it without a draft model"
+            "blocks, which vLLM relocates in place): serve it without speculative "
+            "decoding (a draft model, MTP or n-gram proposals)"
         )
     states = "+".join(
         f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]"

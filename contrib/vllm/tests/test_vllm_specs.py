@@ -7,8 +7,10 @@ layer), ``get_kv_cache_configs`` groups them as the engine core does, and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +35,9 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
+    SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -87,16 +91,22 @@ def derive(
     return layout
 
 
+def mla_fields(block_size: int) -> dict[str, Any]:
+    """What vLLM's MLA attention layer declares of its latent, windowed or not
+    (``MLAAttention.get_kv_cache_spec``)."""
+    return {
+        "block_size": block_size,
+        "num_kv_heads": 1,
+        "max_tp_shards": 1,
+        "head_size": 576,
+        "dtype": torch.float32,
+        "cache_dtype_str": "auto",
+    }
+
+
 def mla_latent(block_size: int = 16) -> MLAAttentionSpec:
     """The spec vLLM's MLA attention layer declares (``MLAAttention.get_kv_cache_spec``)."""
-    return MLAAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        max_tp_shards=1,
-        head_size=576,
-        dtype=torch.float32,
-        cache_dtype_str="auto",
-    )
+    return MLAAttentionSpec(**mla_fields(block_size))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
@@ -172,6 +182,124 @@ def test_minimax_m3s_index_keys_are_one_replicated_page_beside_each_ranks_kv(
     assert dict(plans[True].role_bytes) == {"index_k": 2 * 32 * 128 * 2}  # bf16, 2 layers
     assert dict(plans[False].role_bytes) == {"kv": 3 * 2 * 32 * heads * 64 * 4}
     assert plans[False].shard_class.num_shards == tp
+
+
+def sliding_mla_latent(window: int, block_size: int = 16) -> SlidingWindowMLASpec:
+    """The spec vLLM's MLA attention layer declares with a sliding window (dots.llm3's
+    sliding layers, ``MLAAttention.get_kv_cache_spec``)."""
+    return SlidingWindowMLASpec(**mla_fields(block_size), sliding_window=window)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sliding_window_mla_layers_are_a_replicated_latent_group_with_their_window(
+    tp: int, tiny_model: Callable[[str], Path]
+) -> None:
+    """dots.llm3's sliding MLA layers: vLLM's hybrid manager puts them in a group of their
+    own (its ``SlidingWindowManager``); their latent is whole on every rank, so one page
+    per block for the group, needed only in the window."""
+    config = engine_config(tiny_model("deepseek-v2"))
+    specs: dict[str, KVCacheSpec] = {
+        f"model.layers.{i}.self_attn.attn": sliding_mla_latent(64) if i % 2 else mla_latent()
+        for i in range(4)
+    }
+    kv_cache_config, caches = allocate(config, specs, "CPU_MLA")
+    layout = derive(config, kv_cache_config, caches, tp)
+    windows = {tuple(r.layer for r in g.regions): g.window for g in layout.groups}
+    assert windows == {(0, 2): None, (1, 3): 4}  # 63 earlier tokens: 4 blocks of 16
+    assert [(r.name, r.units) for r in layout.roles] == [("latent", 1)]
+    assert all(p.shard_class.replicated for p in plan_pages(layout))
+
+
+def compressed_indexer(tokens_per_state: int, max_tp_shards: int | None) -> MLAAttentionSpec:
+    """An indexer cache holding one state per ``tokens_per_state`` tokens (GLM-5.3's
+    ``Glm5NextIndexerCache``; Qwen4Exp's QSA keys and DeepSeek-V4.1's compressed KV
+    are the same class with another role)."""
+    return MLAAttentionSpec(
+        block_size=16,
+        num_kv_heads=1,
+        max_tp_shards=max_tp_shards,
+        head_size=132,
+        dtype=torch.uint8,
+        cache_dtype_str="auto",
+        cache_role=SparseCacheRole.INDEXER,
+        tokens_per_state=tokens_per_state,
+    )
+
+
+@pytest.mark.parametrize(("shards", "units"), [(1, 1), (None, 2)])
+def test_a_compressed_mla_cache_is_a_role_of_its_ratio_with_the_states_of_a_block(
+    tiny_model: Callable[[str], Path], shards: int | None, units: int
+) -> None:
+    """Four tokens per state: a block of 16 holds 4 states, and its page is those. Marked
+    whole on every rank, stored once; unmarked, per rank (vLLM: not replicated)."""
+    config = engine_config(tiny_model("deepseek-v2"))
+    config.cache_config.block_size = 16
+    config.parallel_config.tensor_parallel_size = 2
+    specs: dict[str, KVCacheSpec] = {}
+    for i in (0, 1):
+        specs[f"model.layers.{i}.self_attn.attn"] = mla_latent()
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = compressed_indexer(4, shards)
+    groups = [KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(16, specs))]
+    described = cache_groups(config, kv_cache_config(groups))
+    kinds = {name: what for group in described for name, what in group.layers}
+    assert kinds["model.layers.1.self_attn.indexer.k_cache"].role == "index_k_per4"
+    assert kinds["model.layers.1.self_attn.indexer.k_cache"].units == units
+    assert kinds["model.layers.1.self_attn.attn"].role == "latent"
+    caches = {
+        name: torch.zeros(8, 1, 16 // spec.tokens_per_state, spec.head_size)
+        for name, spec in specs.items()
+    }
+    layout, _ = kv_layout(
+        caches,
+        described,
+        num_blocks=8,
+        block_size=16,
+        tp_size=2,
+        dtype_tags=dict.fromkeys(caches, "t"),
+    )
+    pages = {p.shard_class.replicated: dict(p.role_bytes) for p in plan_pages(layout)}
+    index_page = 2 * 4 * 132 * 4  # 2 layers, 4 states of 132 (float32 zeros here)
+    if units == 1:
+        assert pages == {True: {"latent": 2 * 16 * 576 * 4, "index_k_per4": index_page}}
+    else:
+        assert pages == {True: {"latent": 2 * 16 * 576 * 4}, False: {"index_k_per4": index_page}}
+
+
+@pytest.mark.parametrize("tokens_per_state", [3, Fraction(1, 2)])
+def test_an_mla_cache_of_no_whole_number_of_states_per_block_is_refused(
+    tiny_model: Callable[[str], Path], tokens_per_state: Any
+) -> None:
+    config = engine_config(tiny_model("deepseek-v2"))
+    config.cache_config.block_size = 16
+    spec = dataclasses.replace(compressed_indexer(4, 1), tokens_per_state=tokens_per_state)
+    name = "model.layers.0.self_attn.indexer.k_cache"
+    with pytest.raises(ConfigError, match="whole number of states per block"):
+        connector(config, [KVCacheGroupSpec([name], spec)])
+
+
+def test_a_sliding_group_wrapped_for_its_page_sizes_keeps_its_window(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """Sliding layers of two head sizes share a block table in a
+    ``UniformTypeKVCacheSpecs``, which says no window itself: each layer's spec does."""
+    config = engine_config(tiny_model("llama-2kv"))
+    config.cache_config.block_size = 32
+    kv = {"block_size": 32, "num_kv_heads": 2, "dtype": torch.float32, "sliding_window": 64}
+    layers = {
+        "model.layers.0.self_attn.attn": SlidingWindowSpec(head_size=64, **kv),
+        "model.layers.1.self_attn.attn": SlidingWindowSpec(head_size=128, **kv),
+    }
+    groups = [KVCacheGroupSpec(list(layers), UniformTypeKVCacheSpecs(32, layers))]
+    (group,) = cache_groups(config, kv_cache_config(groups))
+    assert group.window == 2
+    mixed = dict(layers) | {
+        "model.layers.2.self_attn.attn": FullAttentionSpec(
+            **{k: v for k, v in kv.items() if k != "sliding_window"}, head_size=64
+        )
+    }
+    groups = [KVCacheGroupSpec(list(mixed), UniformTypeKVCacheSpecs(32, mixed))]
+    with pytest.raises(ConfigError, match="need different windows"):
+        cache_groups(config, kv_cache_config(groups))
 
 
 def test_each_hybrid_kv_cache_group_is_a_layer_group_and_the_sliding_one_has_its_window(
@@ -303,7 +431,11 @@ def test_a_state_every_tp_rank_holds_whole_is_stored_once(
     [
         ({"mamba_cache_mode": "none"}, True, "only with mamba_cache_mode='align'"),
         ({}, False, "only with vLLM's prefix caching on"),
-        ({"num_speculative_blocks": 2}, True, "with speculative decoding"),
+        (
+            {"num_speculative_blocks": 2},
+            True,
+            "without speculative decoding (a draft model, MTP or n-gram",
+        ),
     ],
 )
 def test_a_mamba_state_kvconn_cannot_key_per_block_is_refused_naming_the_layer(
