@@ -108,6 +108,11 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
             spec = _layer_spec(group.kv_cache_spec, name)
             if isinstance(spec, MambaSpec):
                 mamba_bytes(spec, name, model, tp)
+                if vllm_config.speculative_config is not None:
+                    # also where vLLM keeps no speculative state blocks (its replayed
+                    # SSM, use_replayssm): which block then holds a hit's state with
+                    # the EAGLE block drop is not what kvconn's rules say
+                    raise ConfigError(_speculative_state(model, name, "its states replayed"))
                 if not vllm_config.cache_config.enable_prefix_caching or index not in cacheable:
                     raise ConfigError(
                         f"kvconn's vLLM adapter stores {model}'s Mamba/linear-attention "
@@ -276,18 +281,22 @@ def mamba_bytes(spec: MambaSpec, layer: str, model: str, tp_size: int) -> LayerB
             "(--mamba-cache-mode align) and prefix caching on"
         )
     if spec.num_speculative_blocks:
-        raise ConfigError(
-            f"kvconn's vLLM adapter does not store {model}'s Mamba state ({layer}) with "
-            f"speculative decoding ({spec.num_speculative_blocks} speculative state "
-            "blocks, which vLLM relocates in place): serve it without speculative "
-            "decoding (a draft model, MTP or n-gram proposals)"
-        )
+        why = f"{spec.num_speculative_blocks} speculative state blocks, relocated in place"
+        raise ConfigError(_speculative_state(model, layer, why))
     states = "+".join(
         f"{str(dtype).removeprefix('torch.')}[{'x'.join(map(str, shape))}]"
         for shape, dtype in zip(spec.shapes, spec.dtypes)
     )
     units = 1 if spec.tp_replicated else tp_size
     return LayerBytes("mamba", units, tag=f"{states}+{spec.mamba_type.name}")
+
+
+def _speculative_state(model: str, layer: str, why: str) -> str:
+    return (
+        f"kvconn's vLLM adapter does not store {model}'s Mamba state ({layer}) with "
+        f"speculative decoding ({why}): serve it without speculative decoding (a draft "
+        "model, MTP or n-gram proposals)"
+    )
 
 
 def window_blocks(spec: SlidingWindowSpec, block_size: int) -> int:

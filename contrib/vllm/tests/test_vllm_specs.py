@@ -451,6 +451,17 @@ def test_a_mamba_state_kvconn_cannot_key_per_block_is_refused_naming_the_layer(
     assert reason in message
 
 
+def test_a_mamba_state_under_speculative_decoding_is_refused_even_without_speculative_blocks(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """With vLLM's replayed SSM (``use_replayssm``) MTP keeps no speculative state blocks;
+    which block holds a hit's state under the EAGLE block drop is then not kvconn's rule."""
+    config = mamba_config(tiny_model("qwen3-next"))
+    config.speculative_config = SimpleNamespace(draft_model_config=None)  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="its states replayed"):
+        connector(config, qwen3_next_groups())
+
+
 def test_a_group_mixing_state_and_attention_layers_is_refused(
     tiny_model: Callable[[str], Path],
 ) -> None:
