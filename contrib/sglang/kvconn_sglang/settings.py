@@ -19,7 +19,21 @@ from kvconn.engine_settings import EngineModel, adapter_config, check_kv_heads
 from kvconn.errors import ConfigError
 
 #: Keys SGLang itself reads from the extra config of a dynamic backend.
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        # SGLang's own knobs, which its controllers pop before they build a backend, and
+        # its decode-side offload manager passes on as they are
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
 #: Keys of this adapter.
 ADAPTER_KEYS = frozenset({"kvconn", "kv_heads"})
 

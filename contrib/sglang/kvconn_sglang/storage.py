@@ -30,7 +30,7 @@ one :class:`PoolTransfer` per pool), each a layer group of its own
   (``MHATokenToKOnlyPoolHost``: one head every rank computes whole; MiniMax-M3.1's NVFP4
   index rows), beside each rank's own K/V pages (NVFP4: packed K/V rows, keyed by the
   heads they hold like an MHA pool's);
-* a hybrid sliding-window model's SWA K/V (gpt-oss, Gemma, MiMo: SGLang's ``SWAKVPool``)
+* a hybrid sliding-window model's SWA K/V (gpt-oss, Gemma: SGLang's ``SWAKVPool``)
   is keyed by head like the KV pool. SGLang keeps it, on host slots of its own, only for
   the last pages of each node, and resumes a request from the window that ends its hit
   (hit policy ``trailing_pages``): a hit of ``N`` pages needs the SWA pages of the
@@ -541,7 +541,9 @@ class KvconnHiCacheStorage(HiCacheStorage):
         page of the KV pool and of a pool moved with it (the DSA indexer), whichever
         pools SGLang lists; of a sliding-window pool (``trailing_pages``), the last
         ``len(keys)`` pages of the prefix (SGLang's window, placeholder keys), and none
-        when SGLang does not list it. ``restorable_prefix_pages`` is every such prefix:
+        when SGLang does not list it; of a pool on its own slots that SGLang lists with
+        ``all_pages`` (an MTP draft's sliding layers on the KV pool's indices), every
+        page. ``restorable_prefix_pages`` is every such prefix:
         with a window, 5 may be one where 4 is not. Each pool listed, and KV, is
         reported at the hit: no pool can serve a page there without the others. Pools
         whose hit is zero are left out, as SGLang's own backends do.
@@ -554,11 +556,17 @@ class KvconnHiCacheStorage(HiCacheStorage):
             policy = getattr(transfer.hit_policy, "value", transfer.hit_policy)
             if group in self.trailing_groups and policy == PoolHitPolicy.TRAILING_PAGES:
                 windows[group] = max(1, len(transfer.keys or ()))
-            elif group in self.trailing_groups or policy != PoolHitPolicy.ALL_PAGES:
-                wants = "all_pages" if group in self.trailing_groups else "trailing_pages"
+            elif group in self.trailing_groups and policy == PoolHitPolicy.ALL_PAGES:
+                # a pool on slots of its own that SGLang moves with every page: an MTP
+                # draft's sliding layers on the KV pool's indices (draft_swa_full)
+                windows[group] = None
+            elif policy != PoolHitPolicy.ALL_PAGES:
                 raise ConfigError(
                     f"the {str(transfer.name)!r} pool asks for hit policy {policy}; kvconn "
-                    f"stores it for hit policy {wants}"
+                    "stores it on the KV pool's slots, for hit policy all_pages"
+                    if group not in self.trailing_groups
+                    else f"the {str(transfer.name)!r} pool asks for hit policy {policy}; "
+                    "kvconn serves all_pages and trailing_pages"
                 )
         if not keys:
             return PoolTransferResult(0, {}, [])

@@ -51,6 +51,20 @@ def test_unknown_extra_config_keys_are_refused_by_name():
         AdapterSettings.from_extra_config(V1 | {"kv_head": 1}, "m", environ={})
 
 
+def test_sglangs_own_prefetch_keys_pass_as_its_decode_side_offload_hands_them_over():
+    """SGLang's controllers pop these before building a backend; its decode-side offload
+    manager (PD disaggregation) passes the extra config on as it is."""
+    own = {
+        "prefetch_threshold": 256,
+        "prefetch_timeout_base": 1,
+        "prefetch_timeout_per_ki_token": 0.25,
+        "hicache_storage_pass_prefix_keys": False,
+        "tp_lcm_size": 4,
+    }
+    settings = AdapterSettings.from_extra_config(V1 | own, "m", environ={})
+    assert settings.connector.backend == "lmdb"
+
+
 def test_the_copying_interface_is_refused_without_interface_v1():
     with pytest.raises(ConfigError, match="interface_v1"):
         AdapterSettings.from_extra_config({"kvconn": {}}, "m", environ={})
@@ -792,11 +806,20 @@ def test_the_swa_pages_load_into_their_own_host_slots_and_nothing_else(swa_stora
     assert torch.equal(kv[:, :24], kv_pages[:, :24])
 
 
-def test_an_swa_pool_asked_for_every_page_is_refused(swa_storage):
+def test_a_pool_on_its_own_slots_asked_for_every_page_needs_every_page(swa_storage):
+    """SGLang moves an MTP draft's sliding layers on the KV pool's indices with every
+    page (``draft_swa`` registered ``all_pages``): a hit then needs that pool's page of
+    every block, not a window of them."""
     storage = swa_storage[0]
+    assert storage.batch_set_v1(SIX, torch.arange(0, 24)) == [True] * 6
+    assert storage.batch_set_v2([swa(SIX[:4], torch.arange(0, 16))]) == {"swa": [True] * 4}
     every = PoolTransfer(name=PoolName.SWA, keys=None, hit_policy=PoolHitPolicy.ALL_PAGES)
-    with pytest.raises(ConfigError, match="'swa' pool asks for hit policy all_pages"):
-        storage.batch_exists_v2(SIX, [every])
+    hit = storage.batch_exists_v2(SIX, [every])
+    assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (4, {"kv": 4, "swa": 4})
+    assert storage.batch_exists_v2(SIX, [window(1)]).kv_hit_pages == 4  # 5 and 6 lack it
+    unknown = PoolTransfer(name=PoolName.SWA, keys=None, hit_policy="block_groups")
+    with pytest.raises(ConfigError, match="serves all_pages and trailing_pages"):
+        storage.batch_exists_v2(SIX, [unknown])
 
 
 # ------------------------------------------------------------------ Mamba state pools
