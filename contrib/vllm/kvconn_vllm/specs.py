@@ -122,6 +122,7 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
     hash_block_size = kv_cache_config.hash_block_size or block_size
     total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
     drafts, draft_heads = draft_layers(vllm_config, kv_cache_config)
+    draft_weights = draft_model_name(vllm_config)
     groups = []
     for index in kv_cache_config.prefix_cacheable_group_ids:
         group = kv_cache_config.kv_cache_groups[index]
@@ -138,7 +139,8 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
             """A layer's bytes, a draft layer's in the draft model's heads."""
             if name not in drafts:
                 return layer_bytes(spec, name, total_kv_heads, model, tp)
-            return dataclasses.replace(layer_bytes(spec, name, draft_heads, model, tp), draft=True)
+            what = layer_bytes(spec, name, draft_heads, model, tp)
+            return dataclasses.replace(what, draft=True, weights=draft_weights)
 
         layers = tuple(
             (name, described(name, spec)) for name, spec in zip(group.layer_names, specs)
@@ -202,6 +204,17 @@ def draft_layers(
         if name.startswith("draft_model.") or layer_index(name, -1) >= target_layers
     )
     return found, draft.get_total_num_kv_heads()
+
+
+def draft_model_name(vllm_config: VllmConfig) -> str | None:
+    """The draft model's weights as kvconn names a model (``<name>@<revision>``, with
+    its quantization), or ``None`` without speculative decoding by a model."""
+    from kvconn.engine_settings import EngineModel
+
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    if draft is None:
+        return None
+    return EngineModel.of(draft.model, draft.revision, draft.quantization).key_name
 
 
 def layer_bytes(

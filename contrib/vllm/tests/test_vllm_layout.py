@@ -281,6 +281,38 @@ def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
     assert [(r.role, r.layer) for r in layout.groups[0].regions] == [("kv", 0), ("draft_kv", 1)]
 
 
+def test_drafts_of_one_shape_and_other_weights_are_other_bytes():
+    """Two deployments of one target with different draft checkpoints of the same shape
+    must not load each other's draft K/V: the draft's weights are in its roles' dtype."""
+    caches = {
+        "model.layers.0.self_attn.attn": torch.zeros(8, 2, 32, 128),
+        "draft_model.model.layers.0.self_attn.attn": torch.zeros(8, 1, 32, 128),
+    }
+
+    def roles(weights: str) -> dict[str, str]:
+        draft = LayerBytes("kv", 1, draft=True, weights=weights)
+        group = CacheGroup(
+            0,
+            (
+                ("model.layers.0.self_attn.attn", LayerBytes("kv", 2)),
+                ("draft_model.model.layers.0.self_attn.attn", draft),
+            ),
+        )
+        layout, _ = kv_layout(
+            caches,
+            [group],
+            num_blocks=8,
+            block_size=32,
+            tp_size=1,
+            dtype_tags=dict.fromkeys(caches, "float32"),
+        )
+        return {r.name: r.dtype for r in layout.roles}
+
+    a, b = roles("org/draft-a@default"), roles("org/draft-b@default")
+    assert a["kv"] == b["kv"]  # the target's pages are the target's
+    assert a["draft_kv"] != b["draft_kv"] and "+draft=" in a["draft_kv"]
+
+
 def test_importing_kvconn_and_the_adapter_package_does_not_import_vllm():
     code = (
         "import sys, kvconn, kvconn_vllm, kvconn_vllm.layout\n"
