@@ -255,9 +255,8 @@ def test_layers_of_one_number_under_one_prefix_keep_it():
     assert list(layer_numbers(names).values()) == [0, 0]
 
 
-def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
-    """A draft model with 1 KV head beside a target with 2: role ``draft_kv`` of 1 unit
-    (stored once for a TP group), the target's ``kv`` of 2."""
+def target_and_draft(draft: LayerBytes) -> KvLayout:
+    """A 2-KV-head target layer and a 1-KV-head draft model layer in one group."""
     caches = {
         "model.layers.0.self_attn.attn": torch.zeros(8, 2, 32, 128),
         "draft_model.model.layers.0.self_attn.attn": torch.zeros(8, 1, 32, 128),
@@ -266,7 +265,7 @@ def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
         0,
         (
             ("model.layers.0.self_attn.attn", LayerBytes("kv", 2)),
-            ("draft_model.model.layers.0.self_attn.attn", LayerBytes("kv", 1, draft=True)),
+            ("draft_model.model.layers.0.self_attn.attn", draft),
         ),
     )
     layout, _ = kv_layout(
@@ -277,6 +276,13 @@ def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
         tp_size=1,
         dtype_tags=dict.fromkeys(caches, "float32"),
     )
+    return layout
+
+
+def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
+    """A draft model with 1 KV head beside a target with 2: role ``draft_kv`` of 1 unit
+    (stored once for a TP group), the target's ``kv`` of 2."""
+    layout = target_and_draft(LayerBytes("kv", 1, draft=True))
     assert {(r.name, r.units) for r in layout.roles} == {("kv", 2), ("draft_kv", 1)}
     assert [(r.role, r.layer) for r in layout.groups[0].regions] == [("kv", 0), ("draft_kv", 1)]
 
@@ -284,28 +290,9 @@ def test_a_draft_layer_of_another_geometry_is_a_role_of_its_own():
 def test_drafts_of_one_shape_and_other_weights_are_other_bytes():
     """Two deployments of one target with different draft checkpoints of the same shape
     must not load each other's draft K/V: the draft's weights are in its roles' dtype."""
-    caches = {
-        "model.layers.0.self_attn.attn": torch.zeros(8, 2, 32, 128),
-        "draft_model.model.layers.0.self_attn.attn": torch.zeros(8, 1, 32, 128),
-    }
 
     def roles(weights: str) -> dict[str, str]:
-        draft = LayerBytes("kv", 1, draft=True, weights=weights)
-        group = CacheGroup(
-            0,
-            (
-                ("model.layers.0.self_attn.attn", LayerBytes("kv", 2)),
-                ("draft_model.model.layers.0.self_attn.attn", draft),
-            ),
-        )
-        layout, _ = kv_layout(
-            caches,
-            [group],
-            num_blocks=8,
-            block_size=32,
-            tp_size=1,
-            dtype_tags=dict.fromkeys(caches, "float32"),
-        )
+        layout = target_and_draft(LayerBytes("kv", 1, draft=True, weights=weights))
         return {r.name: r.dtype for r in layout.roles}
 
     a, b = roles("org/draft-a@default"), roles("org/draft-b@default")
