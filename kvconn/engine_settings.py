@@ -16,6 +16,7 @@ engine's pieces to this module (torch-free, engine-free) and gets one answer:
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ class EngineModel:
         """kvconn's default ``model``: ``<name>@<revision or 'default'>[+<quantization>]``."""
         text = f"{self.name}@{self.revision or DEFAULT_REVISION}"
         return f"{text}+{self.quantization}" if self.quantization else text
+
+    @property
+    def tag(self) -> str:
+        """:attr:`key_name` as a role dtype may hold it (no ``/``): 64 bits of blake2b,
+        hex. Adapters name a speculative draft model's weights so in its roles."""
+        return hashlib.blake2b(self.key_name.encode(), digest_size=8).hexdigest()
 
 
 def _optional_text(value: object) -> str | None:

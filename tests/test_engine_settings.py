@@ -139,7 +139,9 @@ def test_an_unknown_name_is_reported_in_one_form_wherever_it_comes_from(tmp_path
         "KVCONN_STAGING_BYTES, KVCONN_STRIPE_READS, KVCONN_TRANSFER_CPUS, "
         "KVCONN_VERIFY_REPLICAS_EVERY, KVCONN_WRITER_POLICY",
         "the HiCache extra config: unknown key(s): kv_head; known: kv_heads, kvconn "
-        "(SGLang's own: backend_name, class_name, interface_v1, module_path)",
+        "(SGLang's own: backend_name, class_name, hicache_storage_pass_prefix_keys, "
+        "interface_v1, module_path, prefetch_threshold, prefetch_timeout_base, "
+        "prefetch_timeout_per_ki_token, tp_lcm_size)",
         f"{path}: unknown [tensorrt_llm] key(s): kv_head; known: kv_heads",
         "my.toml: unknown key(s): nmae; known: layers, name, roles, sources, summary",
         "backend 'lmdb': unknown option(s): mapsize; known: map_size, max_map_size, "

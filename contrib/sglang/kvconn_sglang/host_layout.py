@@ -104,6 +104,9 @@ class HostPoolShape:
     #: layers of an SWA, Mamba or MiniMax index-key pool from 0 on every stage.
     model_layers: bool = True
     encoding: str | None = None
+    #: A speculative draft model's weights (``EngineModel.tag``), named in the pool's
+    #: roles' dtypes: drafts of one shape and other weights compute other bytes.
+    weights: str | None = None
 
     @property
     def stored_components(self) -> tuple[tuple[str, torch.Tensor], ...]:
@@ -193,6 +196,8 @@ def describe_host_pool(
     for index, pool in enumerate((shape, *side_pools)):
         element = pool.encoding or str(pool.kv_buffer.dtype).removeprefix("torch.")
         dtype = f"{element}:{pool.layout}"
+        if pool.weights:
+            dtype = f"{dtype}+draft={pool.weights}"
         pages = pool.size // pool.page_size if pool.own_slots else kv_pages
         pool_units = units if index == 0 else _side_units(pool, side_units)
         if pool.kind == "mamba":

@@ -102,6 +102,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from kvconn.backend import Backend
 from kvconn.connector import Connector
 from kvconn.cpus import connecting_on
+from kvconn.engine_settings import EngineModel
 from kvconn.errors import ConfigError, LayoutError
 from kvconn.hashing import adopt_hashes
 from kvconn.layout import NO_SLOT
@@ -182,6 +183,8 @@ class KvconnHiCacheStorage(HiCacheStorage):
         name = str(host_pool_name)
         if name != PoolName.KV:
             shape = _side_pool_shape(host_pool, name)
+            if name.startswith("draft"):  # a draft model's pools: named by its weights
+                shape = dataclasses.replace(shape, weights=_draft_weights())
             if not shape.model_layers and self.storage_config.pp_size > 1:
                 raise ConfigError(
                     f"the kvconn HiCache backend cannot store the {name!r} pool under "
@@ -964,6 +967,18 @@ def _draft_model_config() -> Any:
     except Exception as exc:  # a config SGLang cannot read
         log.info("kvconn HiCache storage: the draft model's KV head count is unknown (%s)", exc)
         return None
+
+
+def _draft_weights() -> str | None:
+    """The draft model's weights (``--speculative-draft-model-path`` and its revision,
+    :attr:`EngineModel.tag`), or ``None``: no separate draft checkpoint (an MTP head of
+    the served model's own), or no published server arguments."""
+    server_args = _published_server_args()
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path:
+        return None
+    revision = getattr(server_args, "speculative_draft_model_revision", None)
+    return EngineModel.of(path, revision).tag
 
 
 def _units_or_per_rank(pool: HostPoolShape, tp: int, served: int | None) -> int:

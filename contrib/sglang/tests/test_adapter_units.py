@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -932,6 +933,38 @@ def test_a_draft_pool_registered_after_start_up_joins_the_layout_before_any_call
             storage.register_mem_host_pool_v2(host_pool_of(draft), PoolName.DRAFT)
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize("revision", [None, "v2"])
+def test_a_draft_pools_roles_name_the_draft_checkpoint_it_was_loaded_from(
+    tmp_path, monkeypatch, revision
+):
+    """Two deployments of one target with different draft checkpoints of one shape must
+    not load each other's draft K/V (their drafts would silently be accepted less): the
+    draft's ``--speculative-draft-model-path`` and revision are in its roles' dtypes,
+    the target's roles are the target's."""
+    from kvconn.engine_settings import EngineModel
+    from kvconn_sglang import storage as storage_module
+
+    def draft_dtypes(path):
+        args = types.SimpleNamespace(
+            speculative_draft_model_path=path, speculative_draft_model_revision=revision
+        )
+        monkeypatch.setattr(storage_module, "_published_server_args", lambda: args)
+        storage = KvconnHiCacheStorage(lmdb_config(tmp_path / str(path).replace("/", "_")))
+        storage.register_mem_pool_host(host_pool_of(mha_shape("page_first", pages=10)))
+        storage.on_host_pools_registered()
+        draft = dataclasses.replace(mha_shape("page_first", pages=10, layers=1), name="draft")
+        storage.register_mem_host_pool_v2(host_pool_of(draft), PoolName.DRAFT)
+        try:
+            return {r.name: r.dtype for r in storage.connector.layout.roles}
+        finally:
+            storage.close()
+
+    a, b, none = draft_dtypes("org/eagle-a"), draft_dtypes("org/eagle-b"), draft_dtypes(None)
+    assert a["k"] == b["k"] == none["k"]
+    assert a["draft_k"] != b["draft_k"] and a["draft_k"] != none["draft_k"]
+    assert a["draft_k"].endswith(f"+draft={EngineModel.of('org/eagle-a', revision).tag}")
 
 
 def test_an_mha_draft_an_mla_target_saves_from_rank_0_alone_is_refused(tmp_path):

@@ -48,7 +48,6 @@ pages cut finer than a rank's own heads are then refused with a clear error.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,7 +79,7 @@ class LayerBytes:
     #: A speculative-decoding draft model's layer: its roles are ``draft_<role>``, a
     #: kind of bytes of their own (the draft's head count and geometry are its own).
     draft: bool = False
-    #: The draft's weights (``<name>@<revision>``), named (a digest) in its roles' dtype: a draft
+    #: The draft's weights (``EngineModel.tag``), named in its roles' dtype: a draft
     #: of the same shape and other weights computes other bytes, whose pages must not
     #: be loaded for it (its drafts would silently be accepted less often).
     weights: str | None = None
@@ -204,8 +203,8 @@ def kv_layout(
                     dims[0] = what.units  # every TP size names the block alike
                 shape = "x".join(str(d) for d in dims)
                 element = what.tag or dtype_tags[name]
-                if what.weights:  # a name may hold '/', which a dtype may not
-                    element = f"{element}+draft={_digest(what.weights)}"
+                if what.weights:
+                    element = f"{element}+draft={what.weights}"
                 dtype = f"{element}+{shape}"
                 known = roles.setdefault(role, (what.units, dtype))
                 if known != (what.units, dtype):
@@ -236,11 +235,6 @@ def kv_layout(
         pool_sizes=tuple(p.numel() for p in pools),
     )
     return layout, pools
-
-
-def _digest(text: str) -> str:
-    """A short, stable stand-in for ``text`` (64 bits of blake2b, hex)."""
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def _heads_dim(tensor: torch.Tensor, num_blocks: int, what: LayerBytes, tp_size: int) -> bool:

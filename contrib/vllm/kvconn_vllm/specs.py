@@ -207,14 +207,14 @@ def draft_layers(
 
 
 def draft_model_name(vllm_config: VllmConfig) -> str | None:
-    """The draft model's weights as kvconn names a model (``<name>@<revision>``, with
-    its quantization), or ``None`` without speculative decoding by a model."""
+    """The draft model's weights (``<name>@<revision>`` with its quantization, as
+    :attr:`EngineModel.tag`), or ``None`` without speculative decoding by a model."""
     from kvconn.engine_settings import EngineModel
 
     draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
     if draft is None:
         return None
-    return EngineModel.of(draft.model, draft.revision, draft.quantization).key_name
+    return EngineModel.of(draft.model, draft.revision, draft.quantization).tag
 
 
 def layer_bytes(

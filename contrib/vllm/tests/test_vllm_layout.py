@@ -295,7 +295,7 @@ def test_drafts_of_one_shape_and_other_weights_are_other_bytes():
         layout = target_and_draft(LayerBytes("kv", 1, draft=True, weights=weights))
         return {r.name: r.dtype for r in layout.roles}
 
-    a, b = roles("org/draft-a@default"), roles("org/draft-b@default")
+    a, b = roles("5f0c1a2b3c4d5e6f"), roles("0123456789abcdef")
     assert a["kv"] == b["kv"]  # the target's pages are the target's
     assert a["draft_kv"] != b["draft_kv"] and "+draft=" in a["draft_kv"]
 
