@@ -564,12 +564,13 @@ class KvconnHiCacheStorage(HiCacheStorage):
                 # draft's sliding layers on the KV pool's indices (draft_swa_full)
                 windows[group] = None
             elif policy != PoolHitPolicy.ALL_PAGES:
-                raise ConfigError(
-                    f"the {str(transfer.name)!r} pool asks for hit policy {policy}; kvconn "
-                    "stores it on the KV pool's slots, for hit policy all_pages"
-                    if group not in self.trailing_groups
-                    else f"the {str(transfer.name)!r} pool asks for hit policy {policy}; "
+                served = (
                     "kvconn serves all_pages and trailing_pages"
+                    if group in self.trailing_groups
+                    else "kvconn stores it on the KV pool's slots, for hit policy all_pages"
+                )
+                raise ConfigError(
+                    f"the {str(transfer.name)!r} pool asks for hit policy {policy}; {served}"
                 )
         if not keys:
             return PoolTransferResult(0, {}, [])
@@ -953,13 +954,23 @@ def _served_model_config() -> Any:
         return None
 
 
+def _draft_checkpoint() -> tuple[Any, str, str | None] | None:
+    """SGLang's published server arguments, with the speculative draft model's path and
+    revision, or ``None`` (no separate draft checkpoint, or no published arguments)."""
+    server_args = _published_server_args()
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path:
+        return None
+    return server_args, path, getattr(server_args, "speculative_draft_model_revision", None)
+
+
 def _draft_model_config() -> Any:
     """SGLang's ``ModelConfig`` of the speculative draft model, or ``None`` (no draft
     model, no published server arguments, or a config SGLang cannot read)."""
-    server_args = _published_server_args()
-    path = getattr(server_args, "speculative_draft_model_path", None)
-    if path is None:
+    checkpoint = _draft_checkpoint()
+    if checkpoint is None:
         return None
+    server_args, path, _ = checkpoint
     try:
         from sglang.srt.configs.model_config import ModelConfig
 
@@ -973,12 +984,8 @@ def _draft_weights() -> str | None:
     """The draft model's weights (``--speculative-draft-model-path`` and its revision,
     :attr:`EngineModel.tag`), or ``None``: no separate draft checkpoint (an MTP head of
     the served model's own), or no published server arguments."""
-    server_args = _published_server_args()
-    path = getattr(server_args, "speculative_draft_model_path", None)
-    if not path:
-        return None
-    revision = getattr(server_args, "speculative_draft_model_revision", None)
-    return EngineModel.of(path, revision).tag
+    checkpoint = _draft_checkpoint()
+    return None if checkpoint is None else EngineModel.of(*checkpoint[1:]).tag
 
 
 def _units_or_per_rank(pool: HostPoolShape, tp: int, served: int | None) -> int:

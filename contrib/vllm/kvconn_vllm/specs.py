@@ -121,8 +121,7 @@ def cache_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tup
                     )
     hash_block_size = kv_cache_config.hash_block_size or block_size
     total_kv_heads = vllm_config.model_config.get_total_num_kv_heads()
-    drafts, draft_heads = draft_layers(vllm_config, kv_cache_config)
-    draft_weights = draft_model_name(vllm_config)
+    drafts, draft_heads, draft_weights = draft_layers(vllm_config, kv_cache_config)
     groups = []
     for index in kv_cache_config.prefix_cacheable_group_ids:
         group = kv_cache_config.kv_cache_groups[index]
@@ -182,8 +181,9 @@ def group_window(specs: list[KVCacheSpec], block_size: int, model: str, index: i
 
 def draft_layers(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> tuple[frozenset[str], int]:
-    """The layers of a speculative-decoding draft model, and its total KV heads.
+) -> tuple[frozenset[str], int, str | None]:
+    """The layers of a speculative-decoding draft model, its total KV heads and its
+    weights (``<name>@<revision>`` with its quantization, as :attr:`EngineModel.tag`).
 
     vLLM gives a draft model its own attention layers beside the target's, in the same
     KV-cache groups when their specs match: EAGLE and MTP heads continue the target's
@@ -193,9 +193,11 @@ def draft_layers(
     states), so kvconn stores them beside the target's pages; their head count and
     geometry are the draft's, hence roles of their own.
     """
+    from kvconn.engine_settings import EngineModel
+
     draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
     if draft is None:
-        return frozenset(), 0
+        return frozenset(), 0, None
     target_layers = vllm_config.model_config.get_total_num_hidden_layers()
     names = [name for group in kv_cache_config.kv_cache_groups for name in group.layer_names]
     found = frozenset(
@@ -203,18 +205,8 @@ def draft_layers(
         for name in names
         if name.startswith("draft_model.") or layer_index(name, -1) >= target_layers
     )
-    return found, draft.get_total_num_kv_heads()
-
-
-def draft_model_name(vllm_config: VllmConfig) -> str | None:
-    """The draft model's weights (``<name>@<revision>`` with its quantization, as
-    :attr:`EngineModel.tag`), or ``None`` without speculative decoding by a model."""
-    from kvconn.engine_settings import EngineModel
-
-    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
-    if draft is None:
-        return None
-    return EngineModel.of(draft.model, draft.revision, draft.quantization).tag
+    weights = EngineModel.of(draft.model, draft.revision, draft.quantization).tag
+    return found, draft.get_total_num_kv_heads(), weights
 
 
 def layer_bytes(
